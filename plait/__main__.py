@@ -1,0 +1,5 @@
+import sys
+
+from plait.cli import main
+
+sys.exit(main())

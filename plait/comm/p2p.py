@@ -1,0 +1,116 @@
+"""Point-to-point ops: send, recv, their async forms, and batches of them.
+
+    P2POp(kind, tensor, peer) ... -> batch_isend_irecv(ops) -> [Handle per op]
+
+Peers are ranks within the group. Sequence numbers count per (direction, peer), so the
+n-th send from a to b is matched with b's n-th receive from a.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from plait.comm import checks, events
+from plait.comm.group import GroupInfo, group_info
+from plait.comm.work import Handle
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One half of a transfer for `batch_isend_irecv`: kind is "send" or "recv" (or the
+    functions `isend`/`irecv`, as torch spells it)."""
+
+    kind: Any
+    tensor: torch.Tensor
+    peer: int
+    group: ProcessGroup
+
+    def __post_init__(self) -> None:
+        kind = {isend: "send", irecv: "recv"}.get(self.kind, self.kind)
+        if kind not in ("send", "recv"):
+            raise ValueError(f"P2POp kind must be 'send', 'recv', isend or irecv, got {self.kind!r}")
+        object.__setattr__(self, "kind", kind)
+
+
+def _begin(kind: str, tensor: torch.Tensor, peer: int, info: GroupInfo, async_op: bool) -> events.CommEvent | None:
+    key = (kind, peer)
+    seq = info.p2p_seq[key] = info.p2p_seq.get(key, 0) + 1
+    if not events._listeners:
+        return None
+    shape = (tuple(tensor.shape),)
+    event = events.CommEvent(
+        op=kind, group_name=info.name, group_ranks=info.ranks, rank=info.rank, seq=seq,
+        input_shapes=shape if kind == "send" else (), input_dtypes=(tensor.dtype,) if kind == "send" else (),
+        output_shapes=shape if kind == "recv" else (), output_dtypes=(tensor.dtype,) if kind == "recv" else (),
+        bytes_sent=tensor.numel() * tensor.element_size() if kind == "send" else 0,
+        peer=peer, async_op=async_op,
+    )
+    events.emit_start(event)
+    return event
+
+
+def _prepare(kind: str, tensor: torch.Tensor, peer: int, group: ProcessGroup) -> tuple[GroupInfo, torch.Tensor]:
+    info = group_info(group)
+    checks.tensor(tensor, "tensor", info, in_place=kind == "recv")
+    checks.peer(peer, info, "dst" if kind == "send" else "src")
+    wire = tensor.contiguous()
+    if not checks.is_native(wire.dtype, info.backend):
+        wire = wire.view(-1).view(torch.uint8)
+    return info, wire
+
+
+def isend(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> Handle:
+    """Start sending `tensor` to group rank `dst`; don't modify it until the handle completes."""
+    info, wire = _prepare("send", tensor, dst, group)
+    event = _begin("send", tensor, dst, info, True)
+    work = dist.isend(wire, group=group, group_dst=dst)
+    return Handle(work, lambda keep=wire: None, event)  # keep the wire copy alive until done
+
+
+def irecv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> Handle:
+    """Start receiving into `tensor` from group rank `src`; the handle's result is `tensor`."""
+    info, wire = _prepare("recv", tensor, src, group)
+    event = _begin("recv", tensor, src, info, True)
+    work = dist.irecv(wire, group=group, group_src=src)
+    return Handle(work, lambda: tensor, event)
+
+
+def send(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> None:
+    """Send `tensor` to group rank `dst` and wait until it has left."""
+    isend(tensor, dst=dst, group=group).wait()
+
+
+def recv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> torch.Tensor:
+    """Receive into `tensor` from group rank `src`; return it."""
+    return irecv(tensor, src=src, group=group).wait()
+
+
+def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Handle]:
+    """Start every op of the batch together (coalesced where the backend can) and return
+    one handle per op, in order. Every op of a batch must use the same group."""
+    if not ops:
+        return []
+    groups = {op.group.group_name for op in ops}
+    if len(groups) != 1:
+        raise ValueError(f"batch_isend_irecv got ops on {len(groups)} groups {sorted(groups)}; use one group per batch")
+    prepared = []
+    for op in ops:
+        info, wire = _prepare(op.kind, op.tensor, op.peer, op.group)
+        prepared.append((op, info, wire, _begin(op.kind, op.tensor, op.peer, info, True)))
+    c10d_ops = [
+        dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, wire, group=op.group, group_peer=op.peer)
+        for op, _, wire, _ in prepared
+    ]
+    works = dist.batch_isend_irecv(c10d_ops)
+    if len(works) != len(ops):  # NCCL coalesces a batch into one work
+        works = [works[-1]] * len(ops)
+    return [
+        Handle(work, (lambda t=op.tensor: t) if op.kind == "recv" else (lambda: None), event)
+        for work, (op, _, _, event) in zip(works, prepared)
+    ]
