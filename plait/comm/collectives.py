@@ -24,6 +24,10 @@ from plait.comm import algorithms, checks, events
 from plait.comm.group import GroupInfo, group_info
 from plait.comm.work import Handle, completed
 
+# torch 2.13 renamed the single-tensor forms and deprecated the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _C10D_OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
@@ -189,7 +193,7 @@ def all_gather(
     if even:
         buf = out if into_out else x.new_empty((total, *rest))
         send, recv = (x, buf) if native else (x.view(torch.uint8), buf.view(torch.uint8))
-        work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
+        work = _all_gather_single(recv, send, group=group, async_op=True)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     width = max(sizes)
@@ -197,7 +201,7 @@ def all_gather(
     padded.narrow(0, 0, local_rows).copy_(x)
     buf = x.new_empty((n * width, *rest))
     send, recv = (padded, buf) if native else (padded.view(torch.uint8), buf.view(torch.uint8))
-    work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
+    work = _all_gather_single(recv, send, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         pieces = [buf.narrow(0, r * width, s) for r, s in enumerate(sizes)]
@@ -259,14 +263,14 @@ def reduce_scatter(
     if even:
         into_out = out is not None and dim == 0 and out.is_contiguous()
         buf = out if into_out else x.new_empty((mine, *rest))
-        work = dist.reduce_scatter_tensor(buf, x, op=_C10D_OPS[op], group=group, async_op=True)
+        work = _reduce_scatter_single(buf, x, op=_C10D_OPS[op], group=group, async_op=True)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     padded = x.new_zeros((n * width, *rest))
     for r, (start, size) in enumerate(zip(_offsets(sizes), sizes)):
         padded.narrow(0, r * width, size).copy_(x.narrow(0, start, size))
     buf = x.new_empty((width, *rest))
-    work = dist.reduce_scatter_tensor(buf, padded, op=_C10D_OPS[op], group=group, async_op=True)
+    work = _reduce_scatter_single(buf, padded, op=_C10D_OPS[op], group=group, async_op=True)
     return _end(work, lambda: _deliver(_unrows(buf.narrow(0, 0, mine), dim), out), event, async_op)
 
 

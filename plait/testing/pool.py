@@ -87,17 +87,15 @@ class WorkerPool:
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
-                if ready is self.procs[rank].sentinel and not self.conns[rank].poll():
-                    errors[rank] = f"worker died with exit code {self.procs[rank].exitcode}\n" + self._tail(f"log{rank}")
-                    pending.discard(rank)
-                    continue
+                pending.discard(rank)
                 try:
+                    if ready is self.procs[rank].sentinel and not self.conns[rank].poll():
+                        raise EOFError
                     message = self.conns[rank].recv()
                 except (EOFError, OSError):
-                    errors[rank] = "worker closed its pipe\n" + self._tail(f"log{rank}")
-                    pending.discard(rank)
+                    self.procs[rank].join(timeout=2.0)
+                    errors[rank] = f"worker died with exit code {self.procs[rank].exitcode}\n" + self._tail(f"log{rank}")
                     continue
-                pending.discard(rank)
                 if expect_ready:
                     continue
                 status, body, output = message

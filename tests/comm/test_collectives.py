@@ -60,8 +60,7 @@ def test_all_gather_even_and_uneven(dtype, impl, dim):
     g, rank, n = _group()
     comm.set_algorithm("all_gather", impl)
     for sizes in ([3] * n, [(r % 3) for r in range(n)]):  # uneven includes empty pieces
-        shape = lambda r: (sizes[r], 4) if dim == 0 else (4, sizes[r])  # noqa: E731
-        xs = [_input(r, shape(r), dtype, salt=1) for r in range(n)]
+        xs = [_input(r, (sizes[r], 4) if dim == 0 else (4, sizes[r]), dtype, salt=1) for r in range(n)]
         expected = torch.cat(xs, dim=dim)
         for async_op in (False, True):
             got = _wait(comm.all_gather(xs[rank], group=g, dim=dim, sizes=sizes, async_op=async_op), async_op)

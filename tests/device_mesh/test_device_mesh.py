@@ -52,7 +52,10 @@ def test_2x2x2_mesh_every_slice_and_flatten():
     assert mesh["pp", "tp"]._flatten().mesh_dim_names == ("pp_tp",), "torch's spelling works too"
     everything = mesh.flatten("world")
     assert everything.get_group() is comm.world_group()
-    assert mesh == init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    groups = torch.distributed.get_pg_count()
+    again = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    assert again == mesh and again["dp", "tp"].flatten("dp_tp").get_group() is flat.get_group()
+    assert torch.distributed.get_pg_count() == groups, "rebuilding and reslicing creates no group"
     # Errors name what is wrong.
     with pytest.raises(KeyError, match="mesh has no axis 'ep'"):
         mesh["ep"]
