@@ -17,23 +17,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from plait.comm import algorithms, checks, events
+from plait.comm import _c10d, algorithms, checks, events
 from plait.comm.group import GroupInfo, group_info
 from plait.comm.work import Handle, completed
 
-# torch 2.13 renamed the single-tensor forms and deprecated the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 _C10D_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.AVG,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
+    "sum": _c10d.ReduceOp.SUM,
+    "avg": _c10d.ReduceOp.AVG,
+    "max": _c10d.ReduceOp.MAX,
+    "min": _c10d.ReduceOp.MIN,
+    "product": _c10d.ReduceOp.PRODUCT,
 }
 
 
@@ -131,7 +126,7 @@ def all_reduce(tensor: torch.Tensor, *, group: ProcessGroup, op: str = "sum", as
                    2 * (n - 1) / n * _nbytes(tensor), async_op, reduce_op=op)
     if n == 1:
         return _local(tensor, event, async_op)
-    work = dist.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=True)
+    work = _c10d.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=True)
     return _end(work, lambda: tensor, event, async_op)
 
 
@@ -186,14 +181,14 @@ def all_gather(
         buf = out.zero_() if into_out else x.new_zeros((total, *rest))
         offset = sum(sizes[: info.rank])
         buf.narrow(0, offset, local_rows).copy_(x)
-        work = dist.all_reduce(_bits(buf), group=group, async_op=True)
+        work = _c10d.all_reduce(_bits(buf), group=group, async_op=True)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     native = checks.is_native(tensor.dtype, info.backend)
     if even:
         buf = out if into_out else x.new_empty((total, *rest))
         send, recv = (x, buf) if native else (x.view(torch.uint8), buf.view(torch.uint8))
-        work = _all_gather_single(recv, send, group=group, async_op=True)
+        work = _c10d.all_gather_single(recv, send, group=group, async_op=True)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     width = max(sizes)
@@ -201,7 +196,7 @@ def all_gather(
     padded.narrow(0, 0, local_rows).copy_(x)
     buf = x.new_empty((n * width, *rest))
     send, recv = (padded, buf) if native else (padded.view(torch.uint8), buf.view(torch.uint8))
-    work = _all_gather_single(recv, send, group=group, async_op=True)
+    work = _c10d.all_gather_single(recv, send, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         pieces = [buf.narrow(0, r * width, s) for r, s in enumerate(sizes)]
@@ -256,21 +251,21 @@ def reduce_scatter(
     rest = tuple(x.shape[1:])
     if impl == "all_reduce":
         buf = x.clone() if x.data_ptr() == tensor.data_ptr() else x
-        work = dist.all_reduce(buf, op=_C10D_OPS[op], group=group, async_op=True)
+        work = _c10d.all_reduce(buf, op=_C10D_OPS[op], group=group, async_op=True)
         return _end(work, lambda: _deliver(_unrows(buf.narrow(0, offset, mine).clone(), dim), out),
                     event, async_op)
 
     if even:
         into_out = out is not None and dim == 0 and out.is_contiguous()
         buf = out if into_out else x.new_empty((mine, *rest))
-        work = _reduce_scatter_single(buf, x, op=_C10D_OPS[op], group=group, async_op=True)
+        work = _c10d.reduce_scatter_single(buf, x, op=_C10D_OPS[op], group=group, async_op=True)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     padded = x.new_zeros((n * width, *rest))
     for r, (start, size) in enumerate(zip(_offsets(sizes), sizes)):
         padded.narrow(0, r * width, size).copy_(x.narrow(0, start, size))
     buf = x.new_empty((width, *rest))
-    work = _reduce_scatter_single(buf, padded, op=_C10D_OPS[op], group=group, async_op=True)
+    work = _c10d.reduce_scatter_single(buf, padded, op=_C10D_OPS[op], group=group, async_op=True)
     return _end(work, lambda: _deliver(_unrows(buf.narrow(0, 0, mine), dim), out), event, async_op)
 
 
@@ -294,7 +289,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group: ProcessGroup, async_op: 
     if info.size == 1:
         return _local(tensor, event, async_op)
     wire = tensor if checks.is_native(tensor.dtype, info.backend) else tensor.view(-1).view(torch.uint8)
-    work = dist.broadcast(wire, group=group, group_src=src, async_op=True)
+    work = _c10d.broadcast(wire, group=group, group_src=src, async_op=True)
     return _end(work, lambda: tensor, event, async_op)
 
 
@@ -311,10 +306,10 @@ def reduce(tensor: torch.Tensor, *, dst: int, group: ProcessGroup, op: str = "su
     if info.size == 1:
         return _local(tensor, event, async_op)
     if op == "avg":  # c10d's reduce has no AVG on every backend: sum, then divide at dst
-        work = dist.reduce(tensor, group=group, group_dst=dst, op=dist.ReduceOp.SUM, async_op=True)
+        work = _c10d.reduce(tensor, group=group, group_dst=dst, op=_c10d.ReduceOp.SUM, async_op=True)
         finish = (lambda: tensor.div_(info.size)) if info.rank == dst else (lambda: tensor)
         return _end(work, finish, event, async_op)
-    work = dist.reduce(tensor, group=group, group_dst=dst, op=_C10D_OPS[op], async_op=True)
+    work = _c10d.reduce(tensor, group=group, group_dst=dst, op=_C10D_OPS[op], async_op=True)
     return _end(work, lambda: tensor, event, async_op)
 
 
@@ -358,7 +353,7 @@ def all_to_all(
     buf = out if out is not None and out.is_contiguous() else x.new_empty(out_shape)
     send, recv = (x, buf) if checks.is_native(x.dtype, info.backend) else (x.view(torch.uint8), buf.view(torch.uint8))
     even = input_split_sizes is None
-    work = dist.all_to_all_single(
+    work = _c10d.all_to_all_single(
         recv, send,
         output_split_sizes=None if even else out_splits,
         input_split_sizes=None if even else in_splits,
@@ -373,5 +368,5 @@ def barrier(*, group: ProcessGroup, async_op: bool = False) -> Any:
     event = _begin("barrier", info, (), (), (), 0, async_op)
     if info.size == 1:
         return _local(None, event, async_op)
-    work = dist.barrier(group=group, async_op=True)
+    work = _c10d.barrier(group=group, async_op=True)
     return _end(work, lambda: None, event, async_op)

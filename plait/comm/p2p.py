@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from plait.comm import checks, events
+from plait.comm import _c10d, checks, events
 from plait.comm.group import GroupInfo, group_info
 from plait.comm.work import Handle
 
@@ -69,7 +68,7 @@ def isend(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> Handle:
     """Start sending `tensor` to group rank `dst`; don't modify it until the handle completes."""
     info, wire = _prepare("send", tensor, dst, group)
     event = _begin("send", tensor, dst, info, True)
-    work = dist.isend(wire, group=group, group_dst=dst)
+    work = _c10d.isend(wire, group=group, group_dst=dst)
     return Handle(work, lambda keep=wire: None, event)  # keep the wire copy alive until done
 
 
@@ -77,7 +76,7 @@ def irecv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> Handle:
     """Start receiving into `tensor` from group rank `src`; the handle's result is `tensor`."""
     info, wire = _prepare("recv", tensor, src, group)
     event = _begin("recv", tensor, src, info, True)
-    work = dist.irecv(wire, group=group, group_src=src)
+    work = _c10d.irecv(wire, group=group, group_src=src)
     return Handle(work, lambda: tensor, event)
 
 
@@ -104,10 +103,10 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Handle]:
         info, wire = _prepare(op.kind, op.tensor, op.peer, op.group)
         prepared.append((op, info, wire, _begin(op.kind, op.tensor, op.peer, info, True)))
     c10d_ops = [
-        dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, wire, group=op.group, group_peer=op.peer)
+        _c10d.P2POp(_c10d.isend if op.kind == "send" else _c10d.irecv, wire, group=op.group, group_peer=op.peer)
         for op, _, wire, _ in prepared
     ]
-    works = dist.batch_isend_irecv(c10d_ops)
+    works = _c10d.batch_isend_irecv(c10d_ops)
     if len(works) != len(ops):  # NCCL coalesces a batch into one work
         works = [works[-1]] * len(ops)
     return [
