@@ -2,11 +2,30 @@
 
 Layers (each imports only those below it): comm -> device_mesh -> tensor -> strategies
 (ddp, fsdp, tensor.parallel, pipelining) -> checkpoint, run -> train, cli. See DESIGN.md.
+
+Names are imported on first use, so `plait run` and `plait plan` start without torch.
 """
 
-from plait import comm
-from plait.device_mesh import DeviceMesh, init_device_mesh
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DeviceMesh", "comm", "init_device_mesh"]
+# public name -> module that defines it
+_EXPORTS = {
+    "comm": "plait.comm",
+    "DeviceMesh": "plait.device_mesh",
+    "init_device_mesh": "plait.device_mesh",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'plait' has no attribute {name!r}")
+    value = importlib.import_module(module)
+    return value if module.endswith(name) else getattr(value, name)
