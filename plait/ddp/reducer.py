@@ -1,0 +1,344 @@
+"""The reducer: gradients -> buckets -> async all-reduce while backward runs -> averaged .grad.
+
+    synced forward    prepare_for_backward(roots): IDLE -> PREPARED, iteration state reset
+    backward starts   outputs' pre-hook -> begin_backward(): PREPARED -> BACKWARD, queue finalize,
+                      mark the parameters this forward did not use
+    grad of param i   post-accumulate hook -> mark_ready(i): grad * (1/N) into its bucket
+                      view -> every complete bucket, in index order, launches its async
+                      all-reduce (or the comm hook's future) while backward goes on
+    end of backward   finalize(): mark what never came, wait buckets in order, write the
+                      averaged .grads (copies, or the .grads already are the views) -> IDLE
+    next forward      buckets rebuilt once, in the order gradients became ready
+
+In IDLE (no_sync, eval, a second backward) hooks only note use; gradients accumulate in
+`.grad` and the next synced backward reduces the sum. An iteration in which a parameter
+got no gradient without find_unused_parameters still issues every bucket's collective
+(zeros for the missing) so no peer hangs, then the next forward raises naming them.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from plait import comm
+from plait.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, move_grad_views
+from plait.ddp.graph import queue_end_of_backward, reachable_params, twice_message, unused_message
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no reduction expected: hooks only record use
+    PREPARED = "prepared"  # a synced forward ran; the next backward reduces
+    BACKWARD = "backward"  # backward running; finalize is queued
+
+
+class Reducer:
+    """Reduces the gradients of `named_params` over `group`, bucket by bucket, in backward."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], group: ProcessGroup, *,
+                 caps: Sequence[int], find_unused_parameters: bool, static_graph: bool,
+                 gradient_as_bucket_view: bool) -> None:
+        self.fqns = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        self.caps = list(caps)
+        self.find_unused_parameters = find_unused_parameters and not static_graph
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._hook: Callable | None = None
+        self._hook_state: object = None
+        self.phase = Phase.IDLE
+        self.num_iterations = 0  # synced backward passes finalized (or shadowed while joined)
+        self.has_rebuilt = False
+        self._rebuild_pending = False
+        self._order: list[int] = []  # ready order of the iteration being recorded
+        self._error: str | None = None
+        n = len(self.params)
+        self._used_since_sync = [False] * n  # used in no_sync steps since the last reduction
+        self._static_counts: list[int] | None = None  # hook firings per param (static graph)
+        self._static_unused: list[int] = []
+        self._static_global_unused: set[int] = set()
+        self._static_shadowed = False  # joined before the first static iteration (see shadow_backward)
+        self._divisor_work = None  # join: a handle whose result is the non-joined count
+        self._extra_work: list = []  # handles issued for this iteration, waited at finalize
+        self._set_buckets(assign_buckets(self.params, list(reversed(range(n))), self.caps))
+        self._reset_iteration()
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+
+    # -- buckets ------------------------------------------------------------------------
+
+    def _set_buckets(self, assignment: list[list[int]]) -> None:
+        old = getattr(self, "buckets", [])
+        self.buckets = build_buckets(self.params, self.fqns, assignment)
+        self._where = [(0, 0)] * len(self.params)  # param index -> (bucket, position)
+        for bucket in self.buckets:
+            for k, i in enumerate(bucket.param_indices):
+                self._where[i] = (bucket.index, k)
+        if self.gradient_as_bucket_view:
+            move_grad_views(old, self.buckets)
+
+    @property
+    def _recording(self) -> bool:
+        """Whether this iteration's ready order is being recorded for the one rebuild."""
+        return not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)
+
+    def rebuild_buckets(self) -> bool:
+        """Once, after the first synced iteration: re-bucket in the order gradients became
+        ready (rank 0's order, broadcast, so every rank builds the same buckets)."""
+        if not self._rebuild_pending:
+            return False
+        order = torch.tensor(self._order, dtype=torch.int64)
+        comm.broadcast(order, src=0, group=self.group)
+        order_list = order.tolist()
+        assert sorted(order_list) == list(range(len(self.params))), "ready order is a permutation"
+        self._rebuild_pending = False
+        self.has_rebuilt = True
+        self._set_buckets(assign_buckets(self.params, order_list, self.caps))
+        return True
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        if not callable(hook):
+            raise TypeError(f"a comm hook must be callable, got {type(hook).__name__}")
+        if self._hook is not None:
+            raise RuntimeError(f"a comm hook ({_name(self._hook)}) is already registered; "
+                               "DDP takes one, registered before the first backward")
+        if self.num_iterations or self.phase is Phase.BACKWARD:
+            raise RuntimeError("register the comm hook before the first backward")
+        self._hook, self._hook_state = hook, state
+
+    def add_pending_work(self, handle: object, *, divisor: bool = False) -> None:
+        """A handle issued for this iteration (join's notices), waited at finalize. With
+        `divisor`, its result (the count of non-joined ranks) divides the gradients."""
+        self._extra_work.append(handle)
+        if divisor:
+            self._divisor_work = handle
+
+    # -- one iteration -----------------------------------------------------------------
+
+    def prepare_for_forward(self, sync: bool) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(error)
+        if self.phase is Phase.BACKWARD:
+            missing = [self.fqns[i] for i, r in enumerate(self._ready) if not r]
+            raise RuntimeError(
+                "a forward started before the previous backward finished reducing gradients "
+                f"(the backward raised or was interrupted); parameters still waiting: {missing}"
+            )
+        if not sync:
+            self.phase = Phase.IDLE
+
+    def _reset_iteration(self) -> None:
+        n = len(self.params)
+        self._ready = [False] * n
+        self._local_used = [0] * n  # 1: this rank's gradient goes into the sum
+        self._reachable: set[int] = set()  # find_unused_parameters: used by this iteration's forwards
+        self._next = 0  # the next bucket to launch
+        self._divisor: float | None = None
+        self._fire_order: list[int] = []  # static graph, first iteration
+        self._counts = [0] * n if self._static_counts is None else list(self._static_counts)
+        if self._recording:
+            self._order = []
+        for bucket in self.buckets:
+            bucket.pending, bucket.work = len(bucket.params), None
+
+    def prepare_for_backward(self, roots: Sequence[torch.Tensor]) -> None:
+        if self.phase is Phase.IDLE:
+            self._reset_iteration()
+        if self.find_unused_parameters and roots:  # several forwards before one backward: the union
+            self._reachable |= reachable_params(roots, self._index_of)
+        elif self.find_unused_parameters:  # an output pytree cannot see into: find them at the end
+            self._reachable = set(range(len(self.params)))
+        self.phase = Phase.PREPARED
+
+    def begin_backward(self) -> None:
+        if self.phase is not Phase.PREPARED:
+            return  # another output's pre-hook, or a backward with nothing to reduce
+        self.phase = Phase.BACKWARD
+        queue_end_of_backward(self._finalize)
+        if self.find_unused_parameters:
+            for i in range(len(self.params)):
+                if i not in self._reachable:
+                    self._mark_absent(i)
+        elif self._static_counts is not None:
+            for i in self._static_unused:
+                self._mark_ready(i, zero=True)
+
+    def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
+        if self.phase is Phase.IDLE:
+            self._used_since_sync[i] = True
+            return
+        if self.phase is Phase.PREPARED:
+            self.begin_backward()  # the loss did not come through the outputs (a captured tensor)
+        if self.static_graph:
+            if self._static_counts is None:  # first iteration: count, reduce at the end
+                self._counts[i] += 1
+                self._fire_order.append(i)
+                return
+            self._counts[i] -= 1
+            if self._counts[i] > 0:
+                return
+            if self._counts[i] < 0:
+                raise RuntimeError(twice_message(self.fqns[i]))
+        self._local_used[i] = 1
+        self._mark_ready(i)
+
+    def _mark_absent(self, i: int) -> None:
+        """A parameter without a gradient this backward: its no_sync accumulation, or zeros."""
+        if self._used_since_sync[i] and self.params[i].grad is not None:
+            self._local_used[i] = 1
+            self._mark_ready(i)
+        else:
+            self._mark_ready(i, zero=True)
+
+    def _scale(self) -> float:
+        if self._divisor is None:
+            if self._divisor_work is not None:
+                self._divisor = float(self._divisor_work.wait().item())
+            else:
+                self._divisor = float(self.world_size)
+        return 1.0 / self._divisor
+
+    def _mark_ready(self, i: int, zero: bool = False) -> None:
+        if self._ready[i]:
+            raise RuntimeError(twice_message(self.fqns[i]))
+        self._ready[i] = True
+        b, k = self._where[i]
+        bucket = self.buckets[b]
+        view = bucket.views[k]
+        if zero:
+            view.zero_()
+        else:
+            param = self.params[i]
+            grad = param.grad
+            scale = self._scale() if self._hook is None else 1.0
+            if self.gradient_as_bucket_view:
+                if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+                    view.copy_(grad)
+                    param.grad = view
+                if scale != 1.0:
+                    view.mul_(scale)
+            elif scale != 1.0:
+                torch.mul(grad, scale, out=view)
+            else:
+                view.copy_(grad)
+        if self._recording:
+            self._order.append(i)
+        bucket.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            nxt = self.buckets[self._next]
+            nxt.work = self._launch(nxt, nxt.buffer)
+            self._next += 1
+
+    def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> object:
+        if self._hook is None:
+            return comm.all_reduce(buffer, group=self.group, op="sum", async_op=True)
+        grad_bucket = GradBucket(bucket, buffer, is_last=bucket.index == len(self.buckets) - 1,
+                                 process_group=self.group)
+        fut = self._hook(self._hook_state, grad_bucket)
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future, or what .then() returns
+            raise TypeError(f"comm hook {_name(self._hook)} returned {type(fut).__name__}; "
+                            "it must return a torch.futures.Future holding the bucket's tensor")
+        return fut
+
+    def _finalize(self) -> None:
+        assert self.phase is Phase.BACKWARD, self.phase
+        try:
+            self._finalize_buckets()
+        finally:
+            self.phase = Phase.IDLE
+            self.num_iterations += 1
+            self._used_since_sync = [False] * len(self.params)
+            self._divisor_work = None
+
+    def _finalize_buckets(self) -> None:
+        first_static = self.static_graph and self._static_counts is None
+        if first_static:  # delayed: every gradient is in, reduce all now
+            for i, count in enumerate(self._counts):
+                self._local_used[i] = int(count > 0)
+                self._mark_ready(i, zero=count == 0)
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        skip: set[int] = set()  # parameters whose .grad stays as it is
+        if missing and self.find_unused_parameters:  # reachable, but no gradient came
+            for i in missing:
+                self._mark_absent(i)
+        elif missing:
+            names = [self.fqns[i] for i in missing]
+            self._error = unused_message(names, comm.get_rank(self.group), self.static_graph)
+            for i in missing:
+                self._mark_ready(i, zero=True)  # peers wait for these buckets: send zeros
+            skip.update(missing)
+        if self.find_unused_parameters or first_static:
+            used = torch.tensor(self._local_used, dtype=torch.int32)
+            comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
+            globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
+            skip |= globally_unused
+            if first_static:
+                self._record_static_graph(globally_unused)
+        elif self._static_counts is not None:
+            skip |= self._static_global_unused
+        for handle in self._extra_work:
+            handle.wait()
+        self._extra_work.clear()
+        for bucket in self.buckets:
+            self._write_grads(bucket, skip)
+        if self._recording and len(self._order) == len(self.params):
+            self._rebuild_pending = True
+
+    def _record_static_graph(self, globally_unused: set[int]) -> None:
+        self._static_counts = list(self._counts)
+        self._static_unused = [i for i, c in enumerate(self._counts) if c == 0]
+        self._static_global_unused = globally_unused
+        if self._recording:  # ready order: each parameter's last firing, unused ones last
+            last = {i: pos for pos, i in enumerate(self._fire_order)}
+            self._order = sorted(last, key=last.__getitem__)
+            self._order += [i for i in reversed(range(len(self.params))) if i not in last]
+
+    def _write_grads(self, bucket: Bucket, skip: set[int]) -> None:
+        result = bucket.work.wait()
+        if self._hook is not None:
+            if isinstance(result, (list, tuple)):
+                result = result[0]
+            if result is not bucket.buffer:
+                bucket.buffer.copy_(result)
+        for k, i in enumerate(bucket.param_indices):
+            if i in skip:
+                continue
+            param, view = self.params[i], bucket.views[k]
+            if self.gradient_as_bucket_view:
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
+
+    # -- join ----------------------------------------------------------------------------
+
+    def shadow_backward(self) -> None:
+        """A joined rank's stand-in for a backward: the same collectives, zeros in."""
+        works = [self._launch(b, torch.zeros_like(b.buffer)) for b in self.buckets]
+        first_static = self.static_graph and self._static_counts is None and not self._static_shadowed
+        if self.find_unused_parameters or first_static:
+            works.append(comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32),
+                                         group=self.group, op="sum", async_op=True))
+        # A rank that joins before its first static_graph iteration never learns the graph:
+        # it shadows correctly, but cannot train again after the Join.
+        self._static_shadowed = self._static_shadowed or first_static
+        for work in works:
+            work.wait()
+        self.num_iterations += 1
+        if self._recording:  # rebuild when the others do (everyone takes rank 0's order)
+            self._order = [i for b in self.buckets for i in b.param_indices]
+            self._rebuild_pending = True
+
+
+def _name(hook: Callable) -> str:
+    return getattr(hook, "__qualname__", None) or repr(hook)

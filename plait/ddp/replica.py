@@ -1,0 +1,187 @@
+"""One module's data-parallel state, shared by the DistributedDataParallel wrapper and the
+composable `replicate`: what happens around each forward, and what a joined rank shadows.
+
+    construct     verify shapes across ranks -> broadcast params + buffers from rank 0
+                  -> Reducer (buckets, grad hooks)
+    pre_forward   [join notice] -> rebuild buckets once -> broadcast buffers from rank 0
+                  (if the previous forward synced) -> [join: tell joined ranks to sync]
+    post_forward  synced: outputs watched for backward's start, reducer prepared
+    joined rank   main_hook: rebuild, buffers, sync flag, zero buckets; post_hook: every
+                  rank takes the model of the last rank to join
+
+`require_backward_grad_sync` (False under no_sync) decides whether the next backward
+reduces; `require_forward_param_sync` remembers whether the last forward did, which is
+when buffers are broadcast again (torch's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils import _pytree as pytree
+
+from plait import comm
+from plait.ddp import sync
+from plait.ddp.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MiB
+from plait.ddp.graph import watch_outputs
+from plait.ddp.join import Join, Joinable, JoinHook
+from plait.ddp.reducer import Reducer
+
+
+def bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None) -> list[int]:
+    """torch's rule: the first bucket is 1 MiB only when bucket_cap_mb is left at its
+    default (25 MiB); an explicit cap applies to every bucket; a list gives each bucket
+    its cap, the last one repeating."""
+    if bucket_cap_mb_list:
+        return [int(mb * MiB) for mb in bucket_cap_mb_list]
+    if bucket_cap_mb is None:
+        return [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MiB]
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    return [int(bucket_cap_mb * MiB)]
+
+
+class ReplicaState(Joinable):
+    def __init__(self, module: nn.Module, *, group: ProcessGroup, ignored: set[str],
+                 broadcast_buffers: bool, init_sync: bool, caps: Sequence[int],
+                 find_unused_parameters: bool, gradient_as_bucket_view: bool, static_graph: bool,
+                 device_ids: Sequence[int | torch.device] | None) -> None:
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.ignored = set(ignored)
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.ignored]
+        trained = [(n, p) for n, p in named if p.requires_grad]
+        if not trained:
+            raise RuntimeError("DistributedDataParallel is not needed when a module has no "
+                               "parameter that requires a gradient")
+        _check_no_sparse(module)
+        for name, p in trained:  # a DTensor's numel is global: buckets of local shards are not built yet
+            if type(p.data) is not torch.Tensor:
+                raise TypeError(f"parameter {name} is a {type(p.data).__name__}; data parallel takes plain "
+                                "tensor parameters (DDP over tensor-parallel DTensor parameters is not "
+                                "supported yet)")
+        device_types = {p.device.type for _, p in named}
+        if len(device_types) != 1:
+            raise ValueError(f"the module's parameters must be on one device type, got {sorted(device_types)}")
+        self.device = trained[0][1].device
+        self.device_ids = _check_device_ids(device_ids, self.device)
+        if init_sync:
+            states = named + (self._named_buffers() if broadcast_buffers else [])
+            sync.verify_shapes(states, group)
+            sync.broadcast_coalesced([t for _, t in states], src=0, group=group)
+        self.reducer = Reducer(trained, group, caps=caps, find_unused_parameters=find_unused_parameters,
+                               static_graph=static_graph, gradient_as_bucket_view=gradient_as_bucket_view)
+
+    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        # looked up every time: a module may reassign its buffers (pytorch#63916)
+        return [(n, b) for n, b in self.module.named_buffers() if n not in self.ignored]
+
+    # -- around forward ---------------------------------------------------------------
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        grad_enabled = torch.is_grad_enabled()
+        self.reducer.prepare_for_forward(grad_enabled and self.require_backward_grad_sync)
+        notice = Join.notify_join_context(self)
+        if notice is not None:
+            self.reducer.add_pending_work(notice, divisor=not self._divide_by_initial_world_size)
+        if grad_enabled:
+            self.reducer.rebuild_buckets()
+        if self.will_sync_module_buffers():
+            root = sync.find_common_rank(self.group, True) if self._join_config.enable else 0
+            self.sync_buffers(root)
+        if self._join_config.enable:  # tell joined ranks whether this backward reduces
+            flag = torch.full((1,), float(self.require_backward_grad_sync), device=self.device)
+            self.reducer.add_pending_work(comm.all_reduce(flag, group=self.group, async_op=True))
+        if self.device_ids:
+            device = torch.device(self.device.type, self.device_ids[0])
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs))
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            self.reducer.prepare_for_backward(watch_outputs(output, self.reducer.begin_backward))
+        else:
+            self.require_forward_param_sync = False
+        return output
+
+    def will_sync_module_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._named_buffers())
+
+    def sync_buffers(self, root: int) -> None:
+        buffers = [b for _, b in self._named_buffers()]
+        # a broadcast is not an autograd-visible change: keep saved-tensor version checks quiet
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            sync.broadcast_coalesced(buffers, src=root, group=self.group)
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        self.reducer.register_comm_hook(state, hook)
+
+    # -- Joinable -----------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return _ReplicaJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        return self.group
+
+
+class _ReplicaJoinHook(JoinHook):
+    def __init__(self, state: ReplicaState) -> None:
+        self.state = state
+
+    def main_hook(self) -> None:
+        """One training rank's iteration, shadowed: the same collectives in the same order."""
+        state = self.state
+        state.reducer.rebuild_buckets()
+        if state.will_sync_module_buffers():
+            state.sync_buffers(sync.find_common_rank(state.group, False))
+        flag = torch.zeros(1, device=state.device)
+        comm.all_reduce(flag, group=state.group)
+        should_sync = bool(flag.item())
+        state.require_forward_param_sync = should_sync  # as a training rank's post_forward would
+        if should_sync:
+            state.reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Everyone takes the model of the (highest) rank that joined last."""
+        state = self.state
+        root = sync.find_common_rank(state.group, is_last_joiner)
+        tensors = [p for n, p in state.module.named_parameters() if n not in state.ignored]
+        if state.broadcast_buffers:
+            tensors += [b for _, b in state._named_buffers()]
+        sync.broadcast_coalesced(tensors, src=root, group=state.group)
+
+
+def _check_no_sparse(module: nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(f"{name or type(sub).__name__} has sparse=True; plait's DDP reduces dense "
+                             "gradients only: construct it with sparse=False")
+
+
+def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> list[int] | None:
+    if not device_ids:
+        return None
+    if len(device_ids) > 1:
+        raise ValueError(f"device_ids can only be None or hold one device, got {list(device_ids)}")
+    if device.type == "cpu":
+        raise ValueError(f"device_ids {list(device_ids)} only apply to a module on an accelerator; "
+                         "this module is on the CPU: pass device_ids=None")
+    d = device_ids[0]
+    return [d.index if isinstance(d, torch.device) else int(d)]
