@@ -1,0 +1,182 @@
+"""Fixtures for launcher tests: start `plait run` as a real process, bounded, and leave nothing behind.
+
+`launch(...)` starts `python -m plait.run ...` in its own session with its output in files; every
+launch is killed at the end of the test if still running, and every pid a worker script
+registered (workers, their children) must be gone — the check is by pid, not by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+PYTHON = sys.executable
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                  "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")
+
+
+def worker(name: str) -> str:
+    return str(WORKERS / name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+
+
+class Launch:
+    """One `plait run` process (an agent), its output in files under the test's tmp dir."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, name: str, wrap: list[str]):
+        self.out_path, self.err_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [*wrap, PYTHON, "-m", "plait.run", *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                env=env, cwd=cwd, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> Result:
+        return Result(self.proc.returncode, self.out_path.read_text(errors="replace"),
+                      self.err_path.read_text(errors="replace"))
+
+    def wait(self, timeout: float) -> Result:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            r = self.output()
+            pytest.fail(f"plait run did not exit within {timeout} s\n--- stdout\n{r.out}\n--- stderr\n{r.err}")
+        return self.output()
+
+    def wait_for_stderr(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.err_path.read_text(errors="replace"):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        r = self.output()
+        pytest.fail(f"{text!r} not on stderr within {timeout} s\n--- stdout\n{r.out}\n--- stderr\n{r.err}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+
+class Job:
+    """A test's view of its jobs: where workers write, and how to start `plait run`."""
+
+    def __init__(self, tmp_path: Path):
+        self.dir = tmp_path
+        self.out = tmp_path / "out"
+        self.pids = tmp_path / "pids"
+        self.out.mkdir()
+        self.pids.mkdir()
+        self.launches: list[Launch] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "PLAIT_", "TORCHELASTIC_"))}
+        for k in _LAUNCHER_VARS:
+            env.pop(k, None)
+        env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                   OMP_NUM_THREADS="1", TMPDIR=str(self.dir), PLAIT_TEST_OUT=str(self.out),
+                   PLAIT_TEST_PIDS=str(self.pids))
+        env.update(extra)
+        return env
+
+    def start(self, *args: str, env: dict[str, str] | None = None, wrap: list[str] = ()) -> Launch:
+        launch = Launch(list(args), self.env(**(env or {})), self.dir, f"agent{len(self.launches)}", list(wrap))
+        self.launches.append(launch)
+        return launch
+
+    def run(self, *args: str, timeout: float = 30, env: dict[str, str] | None = None) -> Result:
+        return self.start(*args, env=env).wait(timeout)
+
+    def read(self, name: str):
+        return json.loads((self.out / name).read_text())
+
+    def outputs(self, prefix: str, suffix: str = "") -> list[str]:
+        return sorted(p.name for p in self.out.iterdir()
+                      if p.name.startswith(prefix) and p.name.endswith(suffix) and not p.name.endswith(".tmp"))
+
+    def wait_for_outputs(self, prefix: str, count: int, timeout: float, suffix: str = "") -> list[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            names = self.outputs(prefix, suffix)
+            if len(names) >= count:
+                return names
+            time.sleep(0.05)
+        logs = "\n".join(f"--- {launch.err_path.name}\n{launch.output().err}" for launch in self.launches)
+        pytest.fail(f"expected {count} outputs {prefix}*, got {self.outputs(prefix)}\n{logs}")
+
+    def registered_pids(self) -> list[int]:
+        return [int(p.name) for p in self.pids.iterdir()]
+
+    def assert_no_process_left(self, timeout: float = 5.0) -> None:
+        pids = self.registered_pids()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+            time.sleep(0.05)
+        left = [p for p in pids if pid_alive(p)]
+        for pid in left:  # fail the test, but don't leak into the next one
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert not left, f"processes outlived the launcher: {left}"
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path)
+    yield j
+    for launch in j.launches:
+        launch.kill()
+    j.assert_no_process_left()

@@ -1,0 +1,17 @@
+"""Rank 1 fails in every attempt, after the other ranks started; they wait to be stopped."""
+
+import time
+
+import _common
+
+
+def check_input(value):
+    raise ValueError(f"rank 1 always fails (value={value})")
+
+
+_common.register()
+_common.write(f"ran_a{_common.attempt()}_r{_common.rank()}", _common.attempt())
+if _common.rank() == 1:
+    time.sleep(0.2)
+    check_input(42)
+time.sleep(60)
