@@ -29,3 +29,5 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'plait' has no attribute {name!r}")
     value = importlib.import_module(module)
     return value if module.endswith(name) else getattr(value, name)
+
+import plait.debug.activate  # noqa: E402, F401 - PLAIT_DISTRIBUTED_DEBUG/PLAIT_DESYNC_DEBUG act at import

@@ -60,3 +60,8 @@ __all__ = [
     "listening", "new_group", "recv", "reduce", "reduce_scatter", "remove_listener", "send",
     "set_algorithm", "world_group", "world_size",
 ]
+
+# plait.debug listens at this door: the flight recorder by default, more when PLAIT_* asks.
+from plait.debug.activate import on_comm_import as _on_comm_import  # noqa: E402
+
+_on_comm_import()

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,9 @@ class CommEvent:
     start_ns: int = field(default_factory=time.perf_counter_ns)
     end_ns: int | None = None
     extra: dict = field(default_factory=dict)  # listeners may annotate (call site, trace id…)
+    # the c10d Work while the op is in flight (set by Handle, cleared when it completes), so a
+    # watchdog can tell an op that finished but was not yet waited on from one that is stuck
+    work: Any = field(default=None, repr=False, compare=False)
 
     @property
     def duration_s(self) -> float | None:
@@ -62,11 +66,15 @@ class CommListener:
 
 
 _lock = threading.Lock()
-_listeners: tuple[CommListener, ...] = ()
+_listeners: tuple[CommListener, ...] = ()  # every listener the door calls, in order
+# plait.debug's session (flight recorder, checks, watchdog): called first, so a check that
+# stops an op does so before any other listener sees it; not one of `listeners()`
+_debug: CommListener | None = None
 
 
 def listeners() -> tuple[CommListener, ...]:
-    return _listeners
+    """The listeners added with `add_listener` (plait.debug's own session is not among them)."""
+    return _listeners if _debug is None else _listeners[1:]
 
 
 def add_listener(listener: CommListener) -> None:
@@ -79,7 +87,17 @@ def add_listener(listener: CommListener) -> None:
 def remove_listener(listener: CommListener) -> None:
     global _listeners
     with _lock:
-        _listeners = tuple(x for x in _listeners if x is not listener)
+        if listener is not _debug:
+            _listeners = tuple(x for x in _listeners if x is not listener)
+
+
+def set_debug_listener(listener: CommListener | None) -> None:
+    """Install (or, with None, remove) plait.debug's session ahead of every other listener."""
+    global _listeners, _debug
+    with _lock:
+        others = _listeners if _debug is None else _listeners[1:]
+        _debug = listener
+        _listeners = others if listener is None else (listener, *others)
 
 
 @contextlib.contextmanager

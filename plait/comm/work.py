@@ -31,6 +31,8 @@ class Handle:
         self._work = work  # a c10d Work, or None for an op that completed locally
         self._finish = finish
         self._event = event
+        if event is not None:
+            event.work = work
         self._done = False
         self._result: Any = None
         self._lock = threading.Lock()
@@ -42,6 +44,7 @@ class Handle:
                 self._done = True
                 self._finish = None  # type: ignore[assignment]  # drop buffers it captured
                 if self._event is not None:
+                    self._event.work = None
                     events.emit_end(self._event)
         return self._result
 
