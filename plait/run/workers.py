@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from string import Template
 
+from plait.debug.activate import bootstrap_dir
+from plait.debug.config import env_asks_for_debugging
 from plait.run.config import LaunchConfig, LaunchError, Std, StdSpec
 from plait.run.errors import Failure
 from plait.run.logs import LogPump, RunDir, line_prefix
@@ -60,6 +62,9 @@ def worker_env(cfg: LaunchConfig, info: RoundInfo, local_rank: int, error_file: 
         "PLAIT_AGENT_PID": str(os.getpid()),
     })
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if env_asks_for_debugging(env):
+        # a worker that never imports plait still gets its torch.distributed calls traced
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (bootstrap_dir(), env.get("PYTHONPATH"))))
     if cfg.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N workers must not each take every core
     if cfg.virtual_local_rank:
