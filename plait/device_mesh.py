@@ -56,6 +56,7 @@ class DeviceMesh:
         me = comm.global_rank()
         where = (mesh == me).nonzero()
         self._coordinate = tuple(int(i) for i in where[0]) if len(where) else None
+        self._key()
         if self._coordinate is None:
             self._groups: tuple[ProcessGroup | None, ...] = (None,) * mesh.dim()
         elif _groups is not None:
@@ -196,7 +197,14 @@ class DeviceMesh:
     # -- identity ----------------------------------------------------------------------
 
     def _key(self) -> tuple:
-        return (self.device_type, tuple(self.mesh.shape), tuple(self.mesh.view(-1).tolist()), self.mesh_dim_names)
+        # computed once: hashing a mesh must not run tensor ops (DTensor hashes its mesh on
+        # every dispatch, and under torch.compile's fake mode a real-tensor op raises)
+        key = self.__dict__.get("_key_cache")
+        if key is None:
+            key = (self.device_type, tuple(self.mesh.shape), tuple(self.mesh.view(-1).tolist()),
+                   self.mesh_dim_names)
+            self._key_cache = key
+        return key
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, DeviceMesh) and self._key() == other._key())

@@ -1,0 +1,79 @@
+"""from_local's global shape and `run_check`: what the ranks' local tensors must agree on.
+
+    even_global_shape      no communication: every Shard axis multiplies its dim by n
+    gathered_global_shape  all-gathers the local sizes, innermost axis first, so uneven
+                           (torch.chunk) shards give the true global shape
+    check_and_sync         every rank's local shape is its torch.chunk piece of the global
+                           shape (else every rank raises, with the numbers), and Replicate
+                           axes take coordinate 0's data
+
+A check that fails on one rank fails on all of them: the verdict is all-reduced over
+every mesh axis before anyone raises, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from plait import comm
+from plait.device_mesh import DeviceMesh
+from plait.tensor.placement import Placement, Replicate, Shard, chunk_sizes, local_shape_and_offset
+
+
+def even_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
+    shape = list(local.shape)
+    for axis, p in enumerate(placements):
+        if type(p) is Shard:
+            shape[p.dim] *= mesh.size(axis)
+    return tuple(shape)
+
+
+def gathered_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
+    shape = list(local.shape)
+    errors = []
+    for axis in reversed(range(mesh.ndim)):
+        p = placements[axis]
+        if type(p) is not Shard:
+            continue
+        sizes = comm.all_gather(torch.tensor([shape[p.dim]]), group=mesh.get_group(axis)).tolist()
+        total = sum(sizes)
+        if sizes != chunk_sizes(total, len(sizes)):
+            errors.append(f"mesh axis {axis} holds sizes {sizes} along dim {p.dim}, which is not "
+                          f"torch.chunk's split {chunk_sizes(total, len(sizes))} of {total}")
+        shape[p.dim] = total
+    _agree(mesh, "; ".join(errors))
+    return tuple(shape)
+
+
+def check_and_sync(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+                   shape: Sequence[int]) -> torch.Tensor:
+    expected, _ = local_shape_and_offset(shape, placements, mesh.shape, mesh.get_coordinate())
+    error = ""
+    if tuple(local.shape) != expected:
+        error = (f"rank {mesh.get_rank()} holds a local tensor of shape {tuple(local.shape)}, but its "
+                 f"piece of the global shape {tuple(shape)} with placements {list(placements)} is "
+                 f"{expected}")
+    _agree(mesh, error)
+    base = synced = local.detach()
+    for axis, p in enumerate(placements):
+        if type(p) is Replicate and mesh.size(axis) > 1:
+            synced = comm.broadcast(synced.contiguous().clone(), src=0, group=mesh.get_group(axis))
+    if synced is base:
+        return local
+    if not local.requires_grad:
+        return synced
+    return local + (synced - local).detach()  # coordinate 0's values; the gradient still flows
+
+
+def _agree(mesh: DeviceMesh, error: str) -> None:
+    """Raise on every rank if any rank of the mesh has an error."""
+    flag = torch.tensor([1 if error else 0])
+    for axis in range(mesh.ndim):
+        comm.all_reduce(flag, group=mesh.get_group(axis), op="max")
+    if flag.item():
+        raise ValueError(f"from_local(run_check=True): {error or 'another rank of the mesh failed the check'}")
+
+
+__all__ = ["check_and_sync", "even_global_shape", "gathered_global_shape"]

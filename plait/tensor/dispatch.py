@@ -1,0 +1,180 @@
+"""__torch_dispatch__ for DTensor: look up the call's plan, move inputs, run locally, wrap.
+
+    key = (id(op), spec of every DTensor arg, every other arg)    one tuple hash per call
+    plan = cache[key] or planner.build(...)                   rule -> steps + output specs
+    run:  local_i = steps_i(dtensor_i local) -> op(locals) -> wrap with the output specs
+
+Steady state a call costs the key's hash, the collectives its inputs need (usually
+none), the local op and one wrapper per output; specs come from the plan, so no spec is
+created. `Plan.fast` marks the common case (DTensors only as positional args, nothing
+to move, one output) that skips the general bookkeeping. An op that writes an argument
+in place returns that same DTensor object.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.tensor import redistribute as redist
+from plait.tensor.dtensor import DTensor, wrap
+from plait.tensor.spec import DTensorSpec
+
+MAX_CACHED = 16384
+_plans: dict[tuple, Plan] = {}
+_Tensor = torch.Tensor
+
+
+def dispatch(op, args: tuple, kwargs: dict):
+    dts: list[DTensor] = []
+    key: list = [id(op)]  # an OpOverload hashes in Python; its id in C
+    append = key.append
+    for a in args:
+        t = type(a)
+        if t is DTensor:
+            dts.append(a)
+            append(a._spec)
+        elif t is list or t is tuple or isinstance(a, _Tensor):
+            append(_key(op, a, dts))
+        else:
+            append(a)
+    if kwargs:
+        for k, v in kwargs.items():
+            append(k)
+            append(_key(op, v, dts))
+    key_t = tuple(key)
+    try:
+        plan = _plans.get(key_t)
+    except TypeError:  # an unhashable argument (symbolic sizes while tracing): plan uncached
+        return planner.build(op, args, kwargs, dts).run(args, kwargs, dts)
+    if plan is None:
+        plan = planner.build(op, args, kwargs, dts)
+        if len(_plans) >= MAX_CACHED:
+            _plans.clear()
+        _plans[key_t] = plan
+    if plan.fast is not None:
+        la = list(args)
+        for i, dt in zip(plan.fast, dts):
+            la[i] = dt._local if dt._pending is None else dt._local_tensor
+        return wrap(plan.raw_op(*la, **kwargs) if kwargs else plan.raw_op(*la), plan.out_specs[0])
+    return plan.run(args, kwargs, dts)
+
+
+def _key(op, a, dts: list):
+    t = type(a)
+    if t is DTensor:
+        dts.append(a)
+        return a._spec
+    if t is list or t is tuple:
+        return tuple(_key(op, e, dts) for e in a)
+    if isinstance(a, _Tensor):
+        if a.dim() != 0:  # ValueError: a TypeError would turn into NotImplemented for x + t
+            raise ValueError(
+                f"{op}: got a torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; convert it "
+                "with DTensor.from_local or distribute_tensor first (only 0-dim tensors mix)")
+        return (_Tensor, a.dtype, a.device)
+    return a
+
+
+class Plan:
+    """Everything about one call signature that does not depend on tensor values."""
+
+    __slots__ = ("op", "raw_op", "mesh", "steps", "out_specs", "local_fn", "positions", "returns",
+                 "moved", "is_view", "fast")
+
+    def __init__(self, op, mesh, steps, out_specs, local_fn, positions, returns, moved) -> None:
+        self.op, self.raw_op, self.mesh = op, op._op, mesh
+        self.steps = steps  # per DTensor arg: redistribute steps, or None to use it as it is
+        self.out_specs = out_specs  # per flat tensor output: DTensorSpec (None: output is None)
+        self.local_fn = local_fn
+        self.positions = positions  # where each DTensor sits: (None, i) arg, (i, j) in list arg i
+        self.returns = returns  # None: wrap outputs; else the DTensor args returned (by index)
+        self.moved = moved  # (index, new spec) of written args that move, in place, first
+        rets = op._schema.returns
+        self.is_view = bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+        simple = (local_fn is None and returns is None and not moved and not self.is_view
+                  and len(rets) == 1 and len(out_specs) == 1 and all(s is None for s in steps)
+                  and all(where is None for where, _ in positions))
+        self.fast = tuple(i for _, i in positions) if simple else None  # arg index of each DTensor
+
+    def run(self, args: tuple, kwargs: dict, dts: list[DTensor]):
+        mesh = self.mesh
+        locals_ = []
+        for dt, steps in zip(dts, self.steps):
+            local = dt._local_tensor
+            locals_.append(local if steps is None else redist.run(local, steps, mesh))
+        for k, spec in self.moved:
+            _move_in_place(dts[k], locals_[k], spec, self.op)
+        la, lk = _substitute(args, kwargs, self.positions, locals_)
+        out = self.local_fn(la, lk) if self.local_fn is not None else self.raw_op(*la, **lk)
+        if self.returns is not None:
+            r = self.returns
+            return dts[r[0]] if len(r) == 1 else (tuple(dts[k] for k in r) if r else None)
+        specs = self.out_specs
+        if isinstance(out, _Tensor):
+            r = wrap(out, specs[0])
+            if self.is_view:
+                r._aliased = True  # shares its local with another DTensor: never moved in place
+            return r
+        if isinstance(out, (tuple, list)):
+            return _wrap_seq(out, iter(specs), self.is_view)
+        return out
+
+
+def _move_in_place(dt: DTensor, local, spec: DTensorSpec, op) -> None:
+    """Give `dt` new placements (its global value and metadata unchanged) before an
+    in-place op that cannot run on its old ones, e.g. a Partial grad's masked_fill_."""
+    if dt._aliased:
+        raise ValueError(
+            f"{op} writes in place into a DTensor view with placements {dt.placements}, which the "
+            f"op needs as {spec.placements}; moving it would detach it from the tensor it views. "
+            "Redistribute the base tensor first")
+    dt._local, dt._pending, dt._spec = local, None, spec
+
+
+def _wrap_seq(out, specs, aliased: bool = False):
+    """Wrap a tuple/list result (nested once, as aten returns them) with the flat specs."""
+    items = []
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            r = wrap(o, next(specs))
+            r._aliased = aliased
+            items.append(r)
+        elif isinstance(o, (list, tuple)):
+            items.append(_wrap_seq(o, specs, aliased))
+        else:
+            if o is None:
+                next(specs)
+            items.append(o)
+    return type(out)(items) if type(out) in (tuple, list) else out
+
+
+def _substitute(args, kwargs, positions, locals_):
+    """args and kwargs with each DTensor replaced by its local tensor (lists copied)."""
+    la = list(args)
+    lk = kwargs
+    copied: set = set()
+    for (where, i), local in zip(positions, locals_):
+        if type(where) is str:  # a kwarg (i is its index in a list, or None)
+            if lk is kwargs:
+                lk = dict(kwargs)
+            if i is None:
+                lk[where] = local
+            else:
+                if (where,) not in copied:
+                    lk[where] = list(lk[where])
+                    copied.add((where,))
+                lk[where][i] = local
+        elif where is None:
+            la[i] = local
+        else:
+            if where not in copied:
+                la[where] = list(la[where])
+                copied.add(where)
+            la[where][i] = local
+    return la, lk
+
+
+# planner imports Plan from this module; bound as a module so either may load first
+from plait.tensor import planner  # noqa: E402
+
+__all__ = ["Plan", "dispatch"]

@@ -1,0 +1,46 @@
+"""Ops that return Python values or compare whole tensors: item, equal, is_same_size.
+
+    _local_scalar_dense (item)  gathers to Replicate, then reads the local value
+    is_same_size                compares global shapes: no communication
+    equal                       brings b to a's placements (Partial -> Replicate), compares
+                                locally, and all-reduces the verdict (min) over the mesh
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait import comm
+from plait.tensor.ops.registry import OpCall, Sharding, aten, register
+from plait.tensor.placement import Partial, Replicate
+
+
+@register(aten._local_scalar_dense.default)
+def item_rule(call: OpCall) -> Sharding:
+    return Sharding((tuple(Replicate() for _ in call.specs[0].placements),), ())
+
+
+@register(aten.is_same_size.default)
+def is_same_size_rule(call: OpCall) -> Sharding:
+    same = call.specs[0].shape == call.specs[1].shape
+    return Sharding((None, None), (), lambda args, kwargs: same)
+
+
+@register(aten.equal.default)
+def equal_rule(call: OpCall) -> Sharding:
+    a, b = call.specs
+    target = tuple(Replicate() if isinstance(p, Partial) else p for p in a.placements)
+    if a.shape != b.shape:
+        return Sharding((None, None), (), lambda args, kwargs: False)
+    mesh = call.mesh
+
+    def run(args, kwargs):
+        verdict = torch.tensor([int(torch.equal(args[0], args[1]))])
+        for axis in range(mesh.ndim):
+            comm.all_reduce(verdict, group=mesh.get_group(axis), op="min")
+        return bool(verdict.item())
+
+    return Sharding((target, target), (), run)
+
+
+__all__ = ["equal_rule", "is_same_size_rule", "item_rule"]

@@ -1,0 +1,141 @@
+"""Pointwise ops (unary, binary, ternary, in-place, with broadcasting).
+
+For one mesh axis the strategies are: all Replicate; for each output dim d, Shard(d)
+for every input whose aligned dim has the output's size (a broadcast input, size 1 or
+missing, stays Replicate); and, for linear ops, Partial patterns. A pattern is the set
+of argument positions that may be Partial together, every other DTensor Replicate:
+
+    add, sub, copy_, lerp       (0, 1)          x_P + y_P = (x + y)_P
+    mul                         (0,), (1,)      x_P * y_R = (x * y)_P
+    div                         (0,)
+    addcmul                     (0, 1), (0, 2)  addcdiv (0, 1)
+    where(cond, a, b)           (1, 2)
+    neg, clone, to, detach ...  (0,)
+
+A pattern only applies when every position in it holds a DTensor (x_P + 1 is not
+(x + 1)_P), and only to the linear reduce ops sum and avg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from plait.tensor.ops.registry import OpCall, Sharding, aten, partial_ops, partials, register
+from plait.tensor.placement import Partial, Replicate, Shard
+from plait.tensor.spec import DTensorSpec
+
+UNARY = """abs acos acosh asin asinh atan atanh bitwise_not ceil cos cosh deg2rad digamma erf erfc
+erfinv exp exp2 expm1 floor frac isinf isnan isneginf isposinf lgamma log log10 log1p log2
+logical_not logit nan_to_num neg positive rad2deg reciprocal relu round rsqrt sgn sigmoid sign
+signbit sin sinc sinh sqrt square tan tanh trunc gelu silu mish hardswish hardsigmoid elu
+leaky_relu softplus hardtanh relu6 celu selu threshold clamp clamp_min clamp_max pow fill zero
+_to_copy clone detach alias lift_fresh bitwise_left_shift bitwise_right_shift""".split()
+
+BINARY = """add sub rsub mul div maximum minimum fmax fmin eq ne lt le gt ge logical_and logical_or
+logical_xor bitwise_and bitwise_or bitwise_xor atan2 fmod remainder floor_divide copysign hypot
+xlogy nextafter heaviside lerp addcmul addcdiv where masked_fill copy gelu_backward silu_backward
+sigmoid_backward tanh_backward threshold_backward leaky_relu_backward hardtanh_backward
+elu_backward softplus_backward hardswish_backward hardsigmoid_backward mish_backward
+logit_backward native_dropout_backward""".split()
+
+# base name -> argument positions that may be Partial together (linear ops only)
+PATTERNS: dict[str, tuple[tuple[int, ...], ...]] = {
+    "add": ((0, 1),), "sub": ((0, 1),), "copy": ((0, 1),), "lerp": ((0, 1),),
+    "mul": ((0,), (1,)), "div": ((0,),),
+    "addcmul": ((0, 1), (0, 2)), "addcdiv": ((0, 1),),
+    "where": ((1, 2),),
+    "neg": ((0,),), "positive": ((0,),), "clone": ((0,),), "detach": ((0,),), "alias": ((0,),),
+    "lift_fresh": ((0,),), "_to_copy": ((0,),), "zero": ((0,),), "native_dropout_backward": ((0,),),
+}
+# ops that only move or copy values: any Partial passes (they commute with max, norms, ...)
+MOVES = {"clone", "detach", "alias", "lift_fresh", "_to_copy", "positive"}
+# overloads whose second operand is a Python scalar added to every rank's local: not linear
+_SCALAR_ADD = {"Scalar"}
+
+
+def pointwise_ops() -> list:
+    ops = []
+    for name in UNARY + BINARY:
+        for variant in (name, name + "_"):
+            packet = getattr(aten, variant, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                if "out" in overload or overload.endswith("_out"):
+                    continue
+                ops.append(getattr(packet, overload))
+    return ops
+
+
+def patterns_for(call: OpCall) -> list[tuple[int, ...]]:
+    """The Partial patterns of this call, as indices into call.specs."""
+    return patterns(base_name(call.op), call.op._overloadname, _spec_index(call.args), call.args)
+
+
+def patterns(name: str, overload: str, spec_index: dict[int, int], args=()) -> list[tuple[int, ...]]:
+    """Patterns of op family `name`, given which argument positions hold DTensors
+    (position -> spec index)."""
+    pats = PATTERNS.get(name, ())
+    if overload.endswith("_mode"):
+        return []  # div with rounding (floor, trunc) is not linear
+    if name == "masked_fill" and overload == "Scalar" and len(args) > 2 and args[2] == 0:
+        pats = ((0,),)  # filling with zeros is linear (backward formulas do it to grads)
+    if overload in _SCALAR_ADD or overload == "ScalarList":
+        if name in ("add", "sub"):
+            return []
+        if name in ("mul", "div"):
+            pats = ((0,),)
+    out = []
+    for pat in pats:
+        if all(pos in spec_index for pos in pat):
+            out.append(tuple(spec_index[pos] for pos in pat))
+    return out
+
+
+def base_name(op) -> str:
+    """`add` for add, add_ and add.out: the op family, in-place or not."""
+    name = op._overloadpacket.__name__
+    return name[:-1] if name.endswith("_") else name
+
+
+def _spec_index(args: Sequence) -> dict[int, int]:
+    """Argument position -> index into the flat spec list, for single-DTensor args."""
+    index, k = {}, 0
+    for pos, a in enumerate(args):
+        if isinstance(a, DTensorSpec):
+            index[pos] = k
+            k += 1
+        elif isinstance(a, (list, tuple)):
+            k += sum(isinstance(e, DTensorSpec) for e in a)
+    return index
+
+
+def strategies(specs: Sequence[DTensorSpec], out_shape: Sequence[int], patterns: Sequence[tuple[int, ...]],
+               n_out: int = 1, moves: bool = False) -> list:
+    """Pointwise strategies for one mesh axis (see the module note)."""
+    R = Replicate()
+    options = [((R,) * len(specs), (R,) * n_out)]
+    nd = len(out_shape)
+    for d in range(nd):
+        ins = []
+        for s in specs:
+            di = d - (nd - s.ndim)
+            ins.append(Shard(di) if di >= 0 and s.shape[di] == out_shape[d] else R)
+        options.append((tuple(ins), (Shard(d),) * n_out))
+    kinds = partials(specs) if moves else [Partial(op) for op in partial_ops(specs)]
+    for p in kinds:
+        for pat in patterns:
+            options.append((tuple(p if k in pat else R for k in range(len(specs))), (p,) * n_out))
+    return options
+
+
+def pointwise_rule(call: OpCall) -> Sharding:
+    outs = [o for o in call.outs if o is not None]
+    moves = base_name(call.op) in MOVES
+    return call.choose(strategies(call.specs, tuple(outs[0].shape), patterns_for(call), len(call.outs), moves))
+
+
+register(*pointwise_ops())(pointwise_rule)
+
+
+__all__ = ["PATTERNS", "base_name", "patterns", "pointwise_ops", "pointwise_rule", "strategies"]

@@ -1,0 +1,204 @@
+"""Placements: how one mesh axis lays out a DTensor's global value.
+
+    Shard(dim)          rank r along the axis holds piece r of torch.chunk(global, n, dim),
+                        pieces padded with empty ones to n (7 on 4 -> 2,2,2,1; 2 on 4 -> 1,1,0,0)
+    Replicate()         every rank holds the whole value
+    Partial(reduce_op)  the value is reduce_op over the ranks' locals (sum, avg, max, min)
+
+A placement tuple has one entry per mesh axis, applied in axis order: with
+(Shard(0), Shard(0)) axis 0 chunks dim 0 first and axis 1 chunks each piece again. The
+functions below are pure (sizes and coordinates in, sizes and offsets out), so the
+layout logic is tested without processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+LINEAR_OPS = ("sum", "avg")  # reductions a linear map commutes with
+
+
+class Placement:
+    """Base class; placements are small immutable hashable values."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Shard along tensor dim `dim` (torch.chunk semantics, uneven allowed)."""
+
+    dim: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank along the axis holds the full value."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """The global value is `reduce_op` applied across the ranks' local tensors."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in PARTIAL_OPS and type(self) is Partial:
+            raise ValueError(f"Partial reduce_op {self.reduce_op!r} is not one of {list(PARTIAL_OPS)}")
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    def is_linear(self) -> bool:
+        """Whether a linear map f satisfies f(reduce(x)) == reduce(f(x)) for this placement."""
+        return self.reduce_op in LINEAR_OPS
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op})"
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+@dataclass(frozen=True, slots=True)
+class _NormPartial(Partial):
+    """A partial p-norm: the global value is the p-norm of the ranks' local norms.
+
+    Reduce: x^p -> all-reduce sum -> x^(1/p) (max / min for p = +-inf). What
+    `vector_norm` of a sharded tensor returns, so clip_grad_norm_ needs one all-reduce.
+    """
+
+    norm_type: float = 2.0
+
+    def __init__(self, norm_type: float = 2.0) -> None:
+        op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
+        object.__setattr__(self, "reduce_op", op)
+        object.__setattr__(self, "norm_type", float(norm_type))
+
+    def is_linear(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"_NormPartial({self.norm_type:g})"
+
+    def __str__(self) -> str:
+        return f"P(norm{self.norm_type:g})"
+
+
+def chunk_sizes(size: int, n: int) -> list[int]:
+    """Sizes of torch.chunk(size, n), padded with zeros to n pieces."""
+    per = -(-size // n) if size else 0
+    return [max(0, min(per, size - i * per)) for i in range(n)]
+
+
+def chunk_offset(size: int, n: int, index: int) -> tuple[int, int]:
+    """(size, offset) of piece `index` of torch.chunk(size, n)."""
+    per = -(-size // n) if size else 0
+    start = min(size, index * per)
+    return min(per, size - start), start
+
+
+def normalize(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+    """Validate a user's placements and make Shard dims non-negative."""
+    placements = tuple(placements)
+    if len(placements) != mesh_ndim:
+        raise ValueError(f"{len(placements)} placements {list(placements)} for a {mesh_ndim}-D mesh; "
+                         "give one per mesh axis")
+    out = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placement {p!r} is not a Shard, Replicate or Partial")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < max(ndim, 1) or ndim == 0:
+                raise ValueError(f"Shard(dim={p.dim}) is out of range for a tensor with {ndim} dims")
+            if p.dim < 0:
+                p = Shard(p.dim + ndim)
+        out.append(p)
+    ops = {p.reduce_op for p in out if isinstance(p, Partial) and type(p) is Partial}
+    if len(ops) > 1:
+        raise ValueError(f"placements {out} mix Partial reduce ops {sorted(ops)}; use one")
+    return tuple(out)
+
+
+def local_shape_and_offset(
+    shape: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This coordinate's local shape and its offset into the global tensor, per dim."""
+    sizes, offsets = list(shape), [0] * len(shape)
+    for axis, p in enumerate(placements):
+        if type(p) is Shard:
+            size, start = chunk_offset(sizes[p.dim], mesh_shape[axis], coordinate[axis])
+            sizes[p.dim] = size
+            offsets[p.dim] += start
+    return tuple(sizes), tuple(offsets)
+
+
+def logical_size(
+    shape: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    axis: int,
+    dim: int,
+) -> int:
+    """Size of `dim` as axis `axis` sees it: after the axes before it have chunked it."""
+    size = shape[dim]
+    for a in range(axis):
+        p = placements[a]
+        if type(p) is Shard and p.dim == dim:
+            size = chunk_offset(size, mesh_shape[a], coordinate[a])[0]
+    return size
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def like_strides(shape: Sequence[int], model_stride: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for `shape` with the dim order (outermost first) of `model_stride`."""
+    order = sorted(range(len(shape)), key=lambda d: (-model_stride[d], d))
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(strides)
+
+
+__all__ = ["Partial", "Placement", "Replicate", "Shard", "chunk_offset", "chunk_sizes", "local_shape_and_offset"]

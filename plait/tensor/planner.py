@@ -1,0 +1,107 @@
+"""Building a dispatch plan: everything about one call signature that does not depend on
+tensor values, computed once and cached by dispatch.
+
+    DTensor args -> specs -> which args the op writes / returns (its schema)
+      -> meta run on global shapes (output shapes) -> the op's rule -> Sharding
+      -> per input: redistribute steps;  per output: DTensorSpec  -> Plan
+
+An op without a rule, or whose outputs cannot be computed on meta tensors, gets the
+fallback plan (replicate everything, see fallback.py).
+"""
+
+from __future__ import annotations
+
+from plait.tensor import fallback
+from plait.tensor import redistribute as redist
+from plait.tensor.dispatch import Plan
+from plait.tensor.dtensor import DTensor
+from plait.tensor.ops import RULES, OpCall
+from plait.tensor.spec import DTensorSpec, same_mesh
+
+
+def _positions(args, kwargs) -> list:
+    pos = []
+    for i, a in enumerate(args):
+        if type(a) is DTensor:
+            pos.append((None, i))
+        elif type(a) in (list, tuple):
+            pos.extend((i, j) for j, e in enumerate(a) if type(e) is DTensor)
+    for k, v in kwargs.items():
+        if type(v) is DTensor:
+            pos.append((k, None))
+        elif type(v) in (list, tuple):
+            pos.extend((k, j) for j, e in enumerate(v) if type(e) is DTensor)
+    return pos
+
+
+def _spec_tree(a):
+    t = type(a)
+    if t is DTensor:
+        return a._spec
+    if t in (list, tuple):
+        return t(_spec_tree(e) for e in a)
+    return a
+
+
+def build(op, args, kwargs, dts: list[DTensor]) -> Plan:
+    """The plan for this call (see the module note)."""
+    specs = [d._spec for d in dts]
+    mesh = specs[0].mesh
+    for s in specs[1:]:
+        if not same_mesh(s.mesh, mesh):
+            raise ValueError(f"{op}: DTensor args live on different meshes, {mesh} and {s.mesh}")
+    positions = _positions(args, kwargs)
+    written, returns = _aliasing(op, positions)
+    rule = RULES.get(op)
+    if rule is None:
+        return fallback.plan(op, mesh, specs, positions, written, returns)
+    outs = fallback.meta_outputs(op, args, kwargs)
+    call = OpCall(op, _spec_tree(tuple(args)), {k: _spec_tree(v) for k, v in kwargs.items()},
+                  specs, outs, written, returns)
+    sharding = rule(call)
+    n_out = len(sharding.outputs)
+    if outs is None and returns is None and n_out:
+        return fallback.plan(op, mesh, specs, positions, written, returns)
+    steps = []
+    for spec, want in zip(specs, sharding.inputs):
+        steps.append(None if want is None or want == spec.placements else redist.plan_for(spec, want) or None)
+    out_specs = []
+    if returns is None and n_out:
+        assert len(outs) == n_out, f"{op}: rule gives {n_out} outputs, the op has {len(outs)}"
+        for meta, placements in zip(outs, sharding.outputs):
+            out_specs.append(None if meta is None else
+                             DTensorSpec(mesh, placements, tuple(meta.shape), tuple(meta.stride()), meta.dtype))
+    moved = tuple((k, specs[k].with_placements(sharding.inputs[k])) for k in written if steps[k] is not None)
+    return Plan(op, mesh, tuple(steps), tuple(out_specs), sharding.local_fn, positions, returns, moved)
+
+
+def _aliasing(op, positions) -> tuple[frozenset[int], tuple[int, ...] | None]:
+    """The DTensor args the op writes (by index into `positions`), and the ones it returns
+    (None: it returns new tensors; (): it returns nothing)."""
+    schema = op._schema
+    by_name = {a.name: a for a in schema.arguments}
+    written: list[int] = []
+    for k, (where, i) in enumerate(positions):
+        arg = by_name.get(where) if type(where) is str else schema.arguments[i if where is None else where]
+        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(k)
+    if not written:
+        return frozenset(), None
+    if not schema.returns:
+        return frozenset(written), ()
+    returns = []
+    for ret in schema.returns:
+        if ret.alias_info is None or not ret.alias_info.is_write:
+            return frozenset(written), None
+        for k in written:
+            where, i = positions[k]
+            arg = by_name.get(where) if type(where) is str else schema.arguments[i if where is None else where]
+            if arg.alias_info.before_set == ret.alias_info.before_set and (where is None or type(where) is str):
+                returns.append(k)
+                break
+        else:
+            return frozenset(written), None
+    return frozenset(written), tuple(returns)
+
+
+__all__ = ["build"]
