@@ -20,7 +20,10 @@ import signal
 import sys
 import traceback
 
+# torch loads torch._dynamo (and its distributed tensor modules) on a tensor subclass's first
+# dispatch: import it once here, in the forkserver, instead of once per rank.
 import torch
+import torch._dynamo  # noqa: F401
 
 import plait.comm as comm
 from plait.comm import algorithms, events

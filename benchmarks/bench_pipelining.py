@@ -1,0 +1,320 @@
+"""plait.pipelining vs torch.distributed.pipelining: step time; bubble vs the simulator.
+
+Both run in the same processes (Gloo, one thread per rank), on copies of the same stage
+modules, the same split and the same schedule, 8 microbatches, world sizes 2 and 4.
+
+1. Step time: a small transformer (its stages are real compute). A sample is the slowest
+   rank's time for one `step()`; plait and torch alternate, and the table shows medians.
+   With 4 ranks on 2 cores the ranks share cores, so those ratios carry scheduling noise.
+2. Bubble: stages that sleep instead of computing (F = 1 unit; B = 2, split as I = 1 on
+   the input path and W = 1 on the weight path), so two cores are no limit. Every sleep is
+   logged; over one step, with T the window from the first sleep's start to the last's end
+   on any rank, bubble = 1 - sum(sleep) / (p * T), the simulator's definition, compared
+   with `simulate(schedule, Costs(1, 2, 1))`. The batch requires grad, so the first stage's
+   backward splits into I and W like every other (plait splits it; torch always runs the
+   first stage's whole backward at W, one reason its ZB bubbles differ).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as tpp
+import torch.nn.functional as F
+from torch import nn
+
+import plait.pipelining as pp
+from benchmarks.common import median, print_table, ratio
+from plait import comm
+from plait.pipelining import Costs, build_schedule, simulate
+from plait.testing import run_distributed
+
+MICROBATCHES = 8
+SCHEDULES = {  # name -> (stages per rank, placement style)
+    "GPipe": (1, "loop"),
+    "1F1B": (1, "loop"),
+    "Interleaved1F1B": (2, "loop"),
+    "LoopedBFS": (2, "loop"),
+    "InterleavedZeroBubble": (2, "loop"),
+    "ZBVZeroBubble": (2, "v"),
+}
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nn.Module):
+    """Units: embed, layers.0 .. layers.7, head (norm inside head)."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 8, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+_SLEEPS: list[tuple[float, float]] = []  # this process's (start, end) of every sleep
+
+
+def _sleep(seconds: float) -> None:
+    start = time.perf_counter()
+    time.sleep(seconds)
+    _SLEEPS.append((start, time.perf_counter()))
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity forward (a copy: torch's I detaches stage outputs in place, which a view
+    refuses); backward sleeps `seconds`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepStage(nn.Module):
+    """F sleeps 1 unit; backward 1 on the input path (I) and 1 on the weight path (W)."""
+
+    def __init__(self, unit: float, dim: int = 4) -> None:
+        super().__init__()
+        self.unit = unit
+        self.w = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _sleep(self.unit)
+        y = x * _SleepInBackward.apply(self.w, self.unit)  # W: mul's weight grad, then sleep
+        return _SleepInBackward.apply(y, self.unit)  # I: sleep, then mul's input grad
+
+
+# --- one schedule on both implementations -------------------------------------------------
+
+
+def _owned(name: str, p: int) -> list[int]:
+    v, _ = SCHEDULES[name]
+    return list(
+        build_schedule(name, p, MICROBATCHES, stages_per_rank=v if v > 1 else None).stages_of(
+            dist.get_rank()
+        )
+    )
+
+
+def _schedules(name: str, modules: dict[int, nn.Module], num_stages: int, loss_fn):
+    """(plait schedule, torch schedule) over independent copies of `modules`."""
+    group = dist.group.WORLD
+    ours = [pp.PipelineStage(m, s, num_stages, "cpu", group=group) for s, m in modules.items()]
+    theirs = [
+        tpp.PipelineStage(copy.deepcopy(m), s, num_stages, torch.device("cpu"), group=group)
+        for s, m in modules.items()
+    ]
+    if SCHEDULES[name][0] == 1:
+        return (
+            getattr(pp, f"Schedule{name}")(ours[0], MICROBATCHES, loss_fn=loss_fn),
+            getattr(tpp, f"Schedule{name}")(theirs[0], MICROBATCHES, loss_fn=loss_fn),
+        )
+    return (
+        getattr(pp, f"Schedule{name}")(ours, MICROBATCHES, loss_fn=loss_fn),
+        getattr(tpp, f"Schedule{name}")(theirs, MICROBATCHES, loss_fn=loss_fn),
+    )
+
+
+def _run_step(schedule, stages: list[int], num_stages: int, x, y) -> None:
+    for p in _params(schedule):
+        p.grad = None
+    schedule.step(*((x,) if 0 in stages else ()), target=y if num_stages - 1 in stages else None)
+
+
+def _params(schedule) -> list[torch.Tensor]:
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return [p for s in stages for p in s.submod.parameters()]
+
+
+def _step_times(names: list[str], reps: int) -> list[tuple]:
+    torch.manual_seed(0)
+    p = dist.get_world_size()
+    rows = []
+    for name in names:
+        v, _ = SCHEDULES[name]
+        num_stages = p * v
+        model = Transformer()
+        unit_names = pp.split_evenly(model, num_stages)
+        owned = _owned(name, p)
+        modules = dict(zip(owned, pp.split_model(model, unit_names, owned)))
+        ours, theirs = _schedules(name, modules, num_stages, lm_loss)
+        tokens = torch.randint(0, 256, (4 * MICROBATCHES, 32))
+        y = torch.roll(tokens, -1, dims=1)
+        t = {"plait": [], "torch": []}
+        for rep in range(reps + 1):
+            for impl, schedule in (("plait", ours), ("torch", theirs)):
+                dist.barrier()
+                start = time.perf_counter()
+                _run_step(schedule, owned, num_stages, tokens, y)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if rep:  # the first step infers shapes: not timed
+                    t[impl].append(elapsed.item())
+        rows.append((name, num_stages, median(t["plait"]), median(t["torch"])))
+    return rows
+
+
+def _bubble_of_step(schedule, stages: list[int], num_stages: int, x, y) -> float:
+    """Run one step; its bubble from every rank's logged sleeps."""
+    dist.barrier()
+    _SLEEPS.clear()
+    _run_step(schedule, stages, num_stages, x, y)
+    starts, ends = zip(*_SLEEPS)
+    local = torch.tensor(
+        [min(starts), -max(ends), sum(e - s for s, e in _SLEEPS)], dtype=torch.float64
+    )
+    everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, local)
+    stacked = torch.stack(everyone)  # (p, 3)
+    window = -stacked[:, 1].min().item() - stacked[:, 0].min().item()
+    return 1.0 - stacked[:, 2].sum().item() / (dist.get_world_size() * window)
+
+
+def _p2p_latency(reps: int = 30) -> float:
+    """One-way plait.comm p2p time of a small tensor, rank 0 <-> 1 (median half round trip)."""
+    group, rank = comm.world_group(), dist.get_rank()
+    t, times = torch.zeros(2, 4), []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            comm.send(t, dst=1, group=group)
+            comm.recv(t, src=1, group=group)
+        elif rank == 1:
+            comm.recv(t, src=0, group=group)
+            comm.send(t, dst=0, group=group)
+        times.append((time.perf_counter() - start) / 2)
+    return median(times)
+
+
+def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
+    p = dist.get_world_size()
+    latency = _p2p_latency()
+    rows = []
+    for name in names:
+        v, _ = SCHEDULES[name]
+        num_stages = p * v
+        owned = _owned(name, p)
+        modules = {s: SleepStage(unit) for s in owned}
+        ours, theirs = _schedules(name, modules, num_stages, F.mse_loss)
+        x = torch.randn(2 * MICROBATCHES, 4, requires_grad=True)
+        y = torch.randn(2 * MICROBATCHES, 4)
+        measured = {"plait": [], "torch": []}
+        for rep in range(reps + 1):
+            for impl, schedule in (("plait", ours), ("torch", theirs)):
+                b = _bubble_of_step(schedule, owned, num_stages, x, y)
+                if rep:
+                    measured[impl].append(b)
+        plan = build_schedule(name, p, MICROBATCHES, stages_per_rank=v if v > 1 else None)
+        sim = simulate(plan, Costs(1.0, 2.0, 1.0)).bubble
+        sim_latency = simulate(plan, Costs(1.0, 2.0, 1.0, comm=latency / unit)).bubble
+        rows.append(
+            (
+                name,
+                num_stages,
+                sim,
+                sim_latency,
+                latency,
+                median(measured["plait"]),
+                median(measured["torch"]),
+            )
+        )
+    return rows
+
+
+def run(quick: bool) -> None:
+    names = list(SCHEDULES)
+    reps = 3 if quick else 5
+    unit = 0.02 if quick else 0.04
+    time_rows, bubble_rows = [], []
+    for world in (2, 4):
+        timed = run_distributed(_step_times, names, reps, world_size=world, timeout=1800)[0]
+        for name, stages, ours, theirs in timed:
+            time_rows.append(
+                (
+                    world,
+                    name,
+                    stages,
+                    f"{ours * 1e3:.1f}",
+                    f"{theirs * 1e3:.1f}",
+                    ratio(ours, theirs),
+                )
+            )
+        bubbles = run_distributed(_bubbles, names, reps, unit, world_size=world, timeout=1800)[0]
+        for name, stages, sim, sim_latency, latency, ours, theirs in bubbles:
+            bubble_rows.append(
+                (
+                    world,
+                    name,
+                    stages,
+                    f"{sim:.1%}",
+                    f"{ours:.1%}",
+                    f"{(ours - sim) * 100:+.1f}",
+                    f"{sim_latency:.1%} ({latency * 1e3:.2f} ms)",
+                    f"{theirs:.1%}",
+                )
+            )
+    print_table(
+        f"pipeline step time, plait vs torch.distributed.pipelining (Gloo, {MICROBATCHES} "
+        f"microbatches, 8-layer transformer dim 64, median of {reps})",
+        ("world", "schedule", "stages", "plait ms", "torch ms", "plait/torch"),
+        time_rows,
+        notes="Same stage modules (copies), same split and schedule; the first step (shape "
+        "inference) is not timed. 4 ranks share 2 cores.",
+    )
+    print_table(
+        f"pipeline bubble with sleeping stages (F=1, I=1, W=1 unit of {unit * 1e3:.0f} ms; "
+        f"{MICROBATCHES} microbatches; median of {reps} steps)",
+        (
+            "world",
+            "schedule",
+            "stages",
+            "simulated",
+            "plait",
+            "plait-sim (pts)",
+            "sim with p2p latency",
+            "torch",
+        ),
+        bubble_rows,
+        notes="simulated: plait.pipelining.simulate with Costs(F=1, B=2, W=1), transfers free; "
+        "'with p2p latency': the same with Costs.comm = plait.comm's one-way p2p time measured "
+        "in the same run (in brackets). Measured: 1 - sum of sleeps / (p * window), over all "
+        "ranks' logged sleeps.",
+    )

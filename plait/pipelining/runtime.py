@@ -1,0 +1,231 @@
+"""The one runtime: run this rank's list of a lowered schedule, with plait.comm p2p.
+
+    Schedule (any: built-in, lists, CSV) --lower--> per-rank actions --check--> plan (cached)
+    step: [first step only: F of microbatch 0 down the stages, carrying shape metadata]
+          for each action of this rank, in order:
+              run of SEND/RECV -> one comm.batch_isend_irecv; receives kept by (stage, kind, mb)
+              F | B | I | W    -> wait for the receive it reads, then compute on the stage
+          wait for every send
+
+This relies on the lowering contract (`schedules/lowering.py`): sends come right after their
+producer, receives before their consumer, in the same order on both ends of each rank pair.
+Ops are posted without blocking and waited on only where consumed (receives) or at the end
+(sends; completed ones are reaped on the way), the relaxations the contract allows, so any
+schedule that passes `check` runs without deadlock.
+
+Shapes (first step of a runtime only): each rank, for its stages in ascending order, gets
+the input metadata (from the previous stage's rank, or its own stage before it), runs F on
+microbatch 0 for real and passes on metadata plus activation. Those F, SEND_F and RECV_F of
+microbatch 0 are then skipped in the list: removing matched pairs keeps the per-pair order,
+and F(s, 0) reads only F(s-1, 0), which every rank has done before it, stage by stage.
+
+Stages s and s+1 on the same rank (ZBV's turn-around) hand over activations and grads in
+memory; the lowering puts no SEND/RECV between them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from plait import comm
+
+from .meta import recv_metas, send_metas
+from .schedules import Action, ActionType, Schedule, check, lower
+from .stage import PipelineStage
+
+_F, _B, _I, _W = ActionType.F, ActionType.B, ActionType.I, ActionType.W
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = (
+    ActionType.SEND_F,
+    ActionType.RECV_F,
+    ActionType.SEND_B,
+    ActionType.RECV_B,
+)
+_FORWARD_KINDS = frozenset({_F, _SEND_F, _RECV_F})
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The lowered schedule without backward: F and its transfers (eval, no loss_fn).
+
+    Cut from a checked lowered schedule, it needs no check of its own (the checker would
+    reject it for its missing backwards): it drops only whole SEND/RECV pairs, so the
+    per-pair message order holds, and the global order witnessing that the full schedule
+    cannot deadlock, restricted to what is left, witnesses it for this one."""
+    return Schedule(
+        tuple(tuple(a for a in acts if a.kind in _FORWARD_KINDS) for acts in schedule.actions),
+        schedule.stage_to_rank,
+        schedule.num_microbatches,
+        f"{schedule.name} (forward only)",
+    )
+
+
+@dataclass
+class _Step:
+    """One step's inputs and in-flight state on this rank."""
+
+    arg_mbs: list[tuple]
+    kwarg_mbs: list[dict]
+    target_mbs: list[Any] | None
+    loss_fn: Callable | None
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    recvs: dict[Action, list[comm.Handle]] = field(default_factory=dict)
+    sends: list[comm.Handle] = field(default_factory=list)
+    skip: set[Action] = field(default_factory=set)
+
+
+class PipelineRuntime:
+    """Executes `schedule` (compute-only or lowered, covering every stage) for `stages`,
+    the stages this rank owns. One instance per schedule object."""
+
+    def __init__(self, stages: Sequence[PipelineStage], schedule: Schedule, group: ProcessGroup):
+        self.stages = {s.stage_index: s for s in stages}
+        self.schedule = schedule
+        self.group = group
+        self.rank = comm.get_rank(group)
+        self.timeline: list[tuple[Action, float, float]] = []  # last step: compute, perf_counter
+        self._plans: dict[bool, Schedule] = {}
+        self._shapes_known = False
+
+    def plan(self, has_backward: bool) -> Schedule:
+        """The lowered, checked schedule for a step with or without backward (cached)."""
+        if True not in self._plans:
+            lowered = self.schedule if self.schedule.is_lowered else lower(self.schedule)
+            check(lowered)  # a ScheduleError names the first bad action and its rank
+            self._plans[True] = lowered
+        if not has_backward and False not in self._plans:
+            self._plans[False] = forward_only(self._plans[True])
+        return self._plans[has_backward]
+
+    def run(
+        self,
+        arg_mbs: list[tuple],
+        kwarg_mbs: list[dict],
+        target_mbs: list | None,
+        loss_fn: Callable | None,
+        has_backward: bool,
+    ) -> dict[int, torch.Tensor]:
+        """One step; returns this rank's losses by microbatch (detached; empty if none)."""
+        actions = self.plan(has_backward).actions[self.rank]
+        for stage in self.stages.values():
+            stage.clear_runtime_states()
+            stage.has_backward = has_backward
+        step = _Step(arg_mbs, kwarg_mbs, target_mbs, loss_fn)
+        self.timeline = []
+        if not self._shapes_known:
+            self._infer_shapes(step)
+            self._shapes_known = True
+        i = 0
+        while i < len(actions):
+            if actions[i].is_comm:
+                j = i
+                while j < len(actions) and actions[j].is_comm:
+                    j += 1
+                self._post(actions[i:j], step)
+                i = j
+                continue
+            if actions[i].is_compute and actions[i] not in step.skip:
+                self._compute(actions[i], step)
+            i += 1  # bookkeeping (UNSHARD, RESHARD, REDUCE_GRAD from torch CSVs) does nothing
+        for handle in step.sends:
+            handle.wait()
+        assert not step.recvs, (
+            f"rank {self.rank}: receives never consumed: {sorted(map(str, step.recvs))}"
+        )
+        for stage in self.stages.values():
+            stage.assert_drained()
+        return {mb: loss.detach() for mb, loss in step.losses.items()}
+
+    def _infer_shapes(self, step: _Step) -> None:
+        for s in sorted(self.stages):
+            stage = self.stages[s]
+            if s > 0 and s - 1 not in self.stages:
+                src = stage.rank_of(s - 1)
+                metas = recv_metas(src=src, group=self.group)
+                stage.set_inputs_meta(metas)
+                bufs = [comm.recv(m.empty(stage.device), src=src, group=self.group) for m in metas]
+                stage.set_local_input(0, tuple(bufs))
+                step.skip.add(Action(s, _RECV_F, 0))
+            elif s > 0:
+                stage.set_inputs_meta(self.stages[s - 1].outputs_meta)
+            self._compute(Action(s, _F, 0), step)
+            step.skip.add(Action(s, _F, 0))
+            if not stage.is_last and s + 1 not in self.stages:
+                dst = stage.rank_of(s + 1)
+                step.sends += send_metas(stage.outputs_meta, dst=dst, group=self.group)
+                step.sends += [
+                    comm.isend(t, dst=dst, group=self.group) for t in stage.take_outputs(0)
+                ]
+                step.skip.add(Action(s, _SEND_F, 0))
+
+    def _post(self, batch: Sequence[Action], step: _Step) -> None:
+        """Post a run of consecutive SEND/RECV as one batch_isend_irecv."""
+        ops: list[comm.P2POp] = []
+        owners: list[tuple[Action, int]] = []
+        for a in batch:
+            if a in step.skip:
+                continue
+            stage = self.stages[a.stage]
+            make = {
+                _SEND_F: stage.fwd_send_ops,
+                _RECV_F: stage.fwd_recv_ops,
+                _SEND_B: stage.bwd_send_ops,
+                _RECV_B: stage.bwd_recv_ops,
+            }[a.kind]
+            new = make(a.microbatch)
+            owners.append((a, len(new)))
+            ops += new
+        handles = comm.batch_isend_irecv(ops)
+        k = 0
+        for a, n in owners:
+            if a.kind in (_RECV_F, _RECV_B):
+                step.recvs[a] = handles[k : k + n]
+            else:
+                step.sends += handles[k : k + n]
+            k += n
+        step.sends = _reap(step.sends)
+
+    def _wait(self, step: _Step, recv: Action) -> None:
+        for handle in step.recvs.pop(recv, ()):
+            handle.wait()
+
+    def _compute(self, a: Action, step: _Step) -> None:
+        s, kind, mb = a
+        stage = self.stages[s]
+        start = time.perf_counter()
+        if kind is _F:
+            self._wait(step, Action(s, _RECV_F, mb))
+            args = step.arg_mbs[mb] if stage.is_first else ()
+            output = stage.forward_one_chunk(mb, args, step.kwarg_mbs[mb])
+            if stage.is_last and step.loss_fn is not None and step.target_mbs is not None:
+                with torch.set_grad_enabled(stage.has_backward):
+                    step.losses[mb] = step.loss_fn(output, step.target_mbs[mb])
+            elif s + 1 in self.stages:
+                self.stages[s + 1].set_local_input(mb, stage.take_outputs(mb))
+        elif kind is _B or kind is _I:
+            self._wait(step, Action(s, _RECV_B, mb))
+            loss = None
+            if stage.is_last:
+                loss = step.losses[mb]
+                step.losses[mb] = loss.detach()  # the graph must not outlive I (see backward.py)
+            stage.backward_one_chunk(mb, loss=loss, full_backward=kind is _B)
+            if s - 1 in self.stages:
+                self.stages[s - 1].set_local_grads(mb, stage.take_input_grads(mb))
+        elif kind is _W:
+            stage.backward_weight_one_chunk(mb)
+        self.timeline.append((a, start, time.perf_counter()))
+
+
+def _reap(sends: list[comm.Handle]) -> list[comm.Handle]:
+    """Finish the sends that completed (dropping the activations they kept alive); keep the rest."""
+    pending = []
+    for handle in sends:
+        if handle.is_completed():
+            handle.wait()
+        else:
+            pending.append(handle)
+    return pending
