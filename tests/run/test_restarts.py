@@ -28,7 +28,7 @@ def test_worker_that_always_fails_runs_max_restarts_plus_one_times(job):
     assert "rank      : 1 (local rank 1)" in summary and "exitcode  : 1" in summary
     assert "message   : ValueError: rank 1 always fails (value=42)" in summary
     # the traceback starts in the user's script, not in the launcher's bootstrap
-    assert 'always_fail.py", line 16, in <module>' in summary and "in check_input" in summary
+    assert 'always_fail.py", line 17, in <module>' in summary and "in check_input" in summary
     assert "bootstrap.py" not in summary and "runpy" not in summary
     error_file = summary.split("error_file: ")[1].split()[0]
     assert f"attempt_2{os.sep}rank_1" in error_file
