@@ -1,7 +1,9 @@
 """plait.comm against raw torch.distributed: the door's cost, and the Gloo fast paths.
 
 For each op and size, both run alternately in the same processes (Gloo, one thread per
-rank); a sample is the slowest rank's time for one call, and the table shows medians.
+rank), the order swapped every sample; a sample is the slowest rank's time for a batch of
+back-to-back calls (enough for ~20 ms, so scheduler jitter averages out) divided by the
+batch, and the table shows medians.
 Sizes are the full tensor: the all-reduced / broadcast tensor, the gathered output, the
 reduce-scattered input. Bytes are what plait's event reports this rank sent (ring model)
 against the op's lower bound: all-reduce 2(N-1)/N·S, all-gather and reduce-scatter
@@ -46,13 +48,34 @@ def _calls(op: str, nbytes: int, group, n: int):
     return (lambda: comm.broadcast(full, src=0, group=group)), (lambda: dist.broadcast(full, src=0, group=group))
 
 
-def _time(fn, group) -> float:
+def _time(fn, group, batch: int = 1) -> float:
     dist.barrier(group=group)
     t0 = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t0])
+    for _ in range(batch):
+        fn()
+    elapsed = torch.tensor([(time.perf_counter() - t0) / batch])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
     return elapsed.item()
+
+
+def _batch_for(fn, group) -> int:
+    """Calls per sample: enough for ~20 ms, agreed by every rank."""
+    one = _time(fn, group)
+    batch = torch.tensor([max(1, min(200, int(0.02 / max(one, 1e-6))))])
+    dist.all_reduce(batch, op=dist.ReduceOp.MIN, group=group)
+    return int(batch.item())
+
+
+def _paired(ours, theirs, group, reps: int) -> tuple[float, float]:
+    ours(), theirs()  # warm up both
+    batch = _batch_for(theirs, group)
+    t_ours, t_theirs = [], []
+    for i in range(reps):
+        first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+        a, b = _time(first, group, batch), _time(second, group, batch)
+        t_ours.append(a if first is ours else b)
+        t_theirs.append(b if first is ours else a)
+    return median(t_ours), median(t_theirs)
 
 
 def _measure(sizes: list[int], reps: int, impls: dict[str, str | None]) -> list[tuple]:
@@ -68,18 +91,33 @@ def _measure(sizes: list[int], reps: int, impls: dict[str, str | None]) -> list[
                 if impl is not None:
                     comm.set_algorithm(op, impl)
                 ours, theirs = _calls(op, nbytes, group, n)
-                ours(), theirs()  # warm up both
-                t_ours, t_theirs = [], []
-                for _ in range(reps):
-                    t_ours.append(_time(ours, group))
-                    t_theirs.append(_time(theirs, group))
+                t_ours, t_theirs = _paired(ours, theirs, group, reps)
                 with CommDebugMode() as mode:
                     ours()
                 event = mode.events[0]
                 if impl is not None:
                     comm.set_algorithm(op, None)
-                rows.append((op, nbytes, name, event.impl, median(t_ours), median(t_theirs),
+                rows.append((op, nbytes, name, event.impl, t_ours, t_theirs,
                              event.bytes_sent, _lower_bound(op, n, nbytes)))
+    return rows
+
+
+def _door_cost(reps: int) -> list[tuple]:
+    """A tiny all-reduce through plait.comm with the flight recorder on (the default) and
+    off, against torch.distributed: what the door itself costs per call."""
+    from plait import debug
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    group = comm.world_group()
+    rows = []
+    for nbytes in (4, 4 << 10):
+        t = torch.ones(max(1, nbytes // 4))
+        theirs = lambda t=t: dist.all_reduce(t, group=group)  # noqa: E731
+        ours = lambda t=t: comm.all_reduce(t, group=group)  # noqa: E731
+        for recorder in (True, False):
+            with debug.configured(buffer_size=2000 if recorder else 0):
+                t_ours, t_theirs = _paired(ours, theirs, group, reps)
+            rows.append((nbytes, "on" if recorder else "off", t_ours, t_theirs))
     return rows
 
 
@@ -87,7 +125,14 @@ def run(quick: bool) -> None:
     sizes = [4 << 10, 1 << 20, 16 << 20] if quick else [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     impls = {"auto": None, "native": "native", "via all-reduce": "all_reduce"}
     for world in (2, 4):
-        reps = 5 if quick else 11
+        reps = 7 if quick else 15
+        door = run_distributed(_door_cost, reps, world_size=world, timeout=600)[0]
+        print_table(
+            f"the door's cost: a small all-reduce, plait.comm vs torch.distributed, Gloo, world size {world}",
+            ("size", "flight recorder", "plait µs", "torch µs", "plait/torch"),
+            [(human_bytes(b), rec, f"{a * 1e6:.1f}", f"{t * 1e6:.1f}", ratio(a, t)) for b, rec, a, t in door],
+            notes="goal: at most 1.02. The recorder is on by default (PLAIT_TRACE_BUFFER_SIZE=0 turns it off).",
+        )
         rows = run_distributed(_measure, sizes, reps, impls, world_size=world, timeout=1800)[0]
         table = []
         for op, nbytes, name, impl, t_ours, t_theirs, sent, bound in rows:
