@@ -18,6 +18,14 @@ _EXPORTS = {
     "comm": "plait.comm",
     "DeviceMesh": "plait.device_mesh",
     "init_device_mesh": "plait.device_mesh",
+    "DTensor": "plait.tensor",
+    "Shard": "plait.tensor",
+    "Replicate": "plait.tensor",
+    "Partial": "plait.tensor",
+    "distribute_tensor": "plait.tensor",
+    "distribute_module": "plait.tensor",
+    "DistributedDataParallel": "plait.ddp",
+    "replicate": "plait.ddp",
 }
 
 __all__ = sorted(_EXPORTS)
