@@ -15,5 +15,8 @@ if os.environ.get("PARTIAL") == "1":
     sys.stdout.flush()
     time.sleep(0.4)  # longer than the launcher's idle flush
     print("answer")
+_common.write(f"talked_a{a}_r{r}", 1)
 if os.environ.get("FAIL_FIRST") == "1" and a == 0 and r == 1:
+    for other in range(_common.world()):  # fail only once every rank has spoken
+        _common.wait_for(f"talked_a0_r{other}", timeout=30.0)
     raise SystemExit(3)
