@@ -9,6 +9,7 @@ group, so nothing grows with the number of calls (pytorch#153302).
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,6 +40,7 @@ class GroupInfo:
 
 
 _infos: dict[str, GroupInfo] = {}
+_exit_hook = False
 _groups_by_ranks: dict[tuple[int, ...], ProcessGroup] = {}
 
 
@@ -119,6 +121,15 @@ def init_process_group(
         timeout=timeout,
         device_id=device_id,
     )
+    global _exit_hook
+    if backend == "gloo" and not _exit_hook:
+        # A script that never destroys its groups leaves Gloo's worker threads holding work
+        # (and tensors) into interpreter finalization, which can abort the process at exit
+        # ("terminate called without an active exception", pytorch#190489): destroy them
+        # while the interpreter is still whole. A no-op after the script's own destroy. Not
+        # for NCCL, whose shutdown can wait on peers that are still in a collective.
+        atexit.register(destroy_process_group)
+        _exit_hook = True
     return world_group()
 
 
