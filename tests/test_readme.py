@@ -30,6 +30,20 @@ def test_readme_examples_run_under_plait_run(tmp_path):
         "ddp": (_find(blocks, "from plait.ddp import"), 2),
         "pipeline": (_find(blocks, "Schedule1F1B"), 2),
     }
+    failures = _run(jobs, tmp_path)
+    # Gloo can abort a rank at interpreter exit after its work is done (pytorch#190489; see
+    # tests/comm/test_launch_env.py): an example that failed only that way runs once more.
+    again = {name: jobs[name] for name, out in failures.items() if EXIT_ABORT in out}
+    if again and len(again) == len(failures):
+        failures = _run(again, tmp_path)
+    assert not failures, "\n".join(f"--- README example {n!r} failed:\n{o[-3000:]}" for n, o in failures.items())
+
+
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(jobs: dict, tmp_path: Path) -> dict[str, str]:
+    """Run every job at once under `plait run`; return the output of those that failed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = {}
     for name, (script, ranks) in jobs.items():
@@ -38,7 +52,7 @@ def test_readme_examples_run_under_plait_run(tmp_path):
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "plait.run", "--standalone", "--nproc-per-node", str(ranks), str(path)],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    failures = []
+    failures = {}
     for name, proc in procs.items():
         try:
             out = proc.communicate(timeout=240)[0]
@@ -46,5 +60,5 @@ def test_readme_examples_run_under_plait_run(tmp_path):
             proc.kill()
             out = proc.communicate()[0]
         if proc.returncode != 0:
-            failures.append(f"--- README example {name!r} exited {proc.returncode}:\n{out[-3000:]}")
-    assert not failures, "\n".join(failures)
+            failures[name] = out
+    return failures
