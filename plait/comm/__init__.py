@@ -16,15 +16,7 @@ size, numbers each op per group, and reports it to the listeners `plait.debug` i
 from plait.comm import autograd
 from plait.comm.algorithms import choose as choose_algorithm
 from plait.comm.algorithms import set_algorithm
-from plait.comm.collectives import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    barrier,
-    broadcast,
-    reduce,
-    reduce_scatter,
-)
+from plait.comm.collectives import all_reduce, barrier, broadcast, reduce
 from plait.comm.events import (
     CommEvent,
     CommListener,
@@ -33,6 +25,7 @@ from plait.comm.events import (
     listening,
     remove_listener,
 )
+from plait.comm.gathers import all_gather, all_to_all, reduce_scatter
 from plait.comm.group import (
     GroupInfo,
     default_backend,

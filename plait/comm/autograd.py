@@ -21,6 +21,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait.comm import collectives as C
+from plait.comm import gathers as G
 from plait.comm.group import group_info
 
 
@@ -55,11 +56,11 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, sizes):
         ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return C.all_gather(x, group=group, dim=dim, sizes=sizes)
+        return G.all_gather(x, group=group, dim=dim, sizes=sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return C.reduce_scatter(dy, group=ctx.group, dim=ctx.dim, sizes=ctx.sizes), None, None, None
+        return G.reduce_scatter(dy, group=ctx.group, dim=ctx.dim, sizes=ctx.sizes), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -68,11 +69,11 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, sizes):
         ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return C.reduce_scatter(x, group=group, dim=dim, sizes=sizes)
+        return G.reduce_scatter(x, group=group, dim=dim, sizes=sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return C.all_gather(dy, group=ctx.group, dim=ctx.dim, sizes=ctx.sizes), None, None, None
+        return G.all_gather(dy, group=ctx.group, dim=ctx.dim, sizes=ctx.sizes), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -81,13 +82,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, output_split_sizes, input_split_sizes):
         ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
-        return C.all_to_all(x, group=group, output_split_sizes=output_split_sizes,
+        return G.all_to_all(x, group=group, output_split_sizes=output_split_sizes,
                             input_split_sizes=input_split_sizes)
 
     @staticmethod
     def backward(ctx, dy):
         out_splits, in_splits = ctx.splits
-        dx = C.all_to_all(dy.contiguous(), group=ctx.group, output_split_sizes=in_splits,
+        dx = G.all_to_all(dy.contiguous(), group=ctx.group, output_split_sizes=in_splits,
                           input_split_sizes=out_splits)
         return dx, None, None, None
 
