@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-@dataclass
+@dataclass(slots=True)  # built for every op while a listener is installed: keep it lean
 class CommEvent:
     """One collective or point-to-point op as this rank issued it."""
 
