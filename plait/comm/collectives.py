@@ -71,6 +71,9 @@ def _begin(
 
 
 def _end(work: Any, finish: Callable[[], Any], event: events.CommEvent | None, async_op: bool) -> Any:
+    """Wrap an issued op. A synchronous op was issued with c10d's own async_op=False, so
+    c10d waited for it in C++ and `work` is None: no Python-held Work outlives the call
+    (one held past a Gloo op's completion can abort the process at exit, pytorch#190489)."""
     handle = Handle(work, finish, event)
     return handle if async_op else handle.wait()
 
@@ -91,7 +94,7 @@ def all_reduce(tensor: torch.Tensor, *, group: ProcessGroup, op: str = "sum", as
                    2 * (n - 1) / n * _nbytes(tensor), async_op, reduce_op=op)
     if n == 1:
         return _local(tensor, event, async_op)
-    work = _c10d.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=True)
+    work = _c10d.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=async_op)
     return _end(work, lambda: tensor, event, async_op)
 
 
@@ -107,7 +110,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group: ProcessGroup, async_op: 
     if info.size == 1:
         return _local(tensor, event, async_op)
     wire = tensor if checks.is_native(tensor.dtype, info.backend) else tensor.view(-1).view(torch.uint8)
-    work = _c10d.broadcast(wire, group=group, group_src=src, async_op=True)
+    work = _c10d.broadcast(wire, group=group, group_src=src, async_op=async_op)
     return _end(work, lambda: tensor, event, async_op)
 
 
@@ -124,10 +127,10 @@ def reduce(tensor: torch.Tensor, *, dst: int, group: ProcessGroup, op: str = "su
     if info.size == 1:
         return _local(tensor, event, async_op)
     if op == "avg":  # c10d's reduce has no AVG on every backend: sum, then divide at dst
-        work = _c10d.reduce(tensor, group=group, group_dst=dst, op=_c10d.ReduceOp.SUM, async_op=True)
+        work = _c10d.reduce(tensor, group=group, group_dst=dst, op=_c10d.ReduceOp.SUM, async_op=async_op)
         finish = (lambda: tensor.div_(info.size)) if info.rank == dst else (lambda: tensor)
         return _end(work, finish, event, async_op)
-    work = _c10d.reduce(tensor, group=group, group_dst=dst, op=_C10D_OPS[op], async_op=True)
+    work = _c10d.reduce(tensor, group=group, group_dst=dst, op=_C10D_OPS[op], async_op=async_op)
     return _end(work, lambda: tensor, event, async_op)
 
 
@@ -137,5 +140,5 @@ def barrier(*, group: ProcessGroup, async_op: bool = False) -> Any:
     event = _begin("barrier", info, (), (), (), 0, async_op)
     if info.size == 1:
         return _local(None, event, async_op)
-    work = _c10d.barrier(group=group, async_op=True)
+    work = _c10d.barrier(group=group, async_op=async_op)
     return _end(work, lambda: None, event, async_op)

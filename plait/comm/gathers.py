@@ -116,14 +116,14 @@ def all_gather(
         buf = out.zero_() if into_out else x.new_zeros((total, *rest))
         offset = sum(sizes[: info.rank])
         buf.narrow(0, offset, local_rows).copy_(x)
-        work = _c10d.all_reduce(_bits(buf), group=group, async_op=True)
+        work = _c10d.all_reduce(_bits(buf), group=group, async_op=async_op)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     native = checks.is_native(tensor.dtype, info.backend)
     if even:
         buf = out if into_out else x.new_empty((total, *rest))
         send, recv = (x, buf) if native else (x.view(torch.uint8), buf.view(torch.uint8))
-        work = _c10d.all_gather_single(recv, send, group=group, async_op=True)
+        work = _c10d.all_gather_single(recv, send, group=group, async_op=async_op)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     width = max(sizes)
@@ -131,7 +131,7 @@ def all_gather(
     padded.narrow(0, 0, local_rows).copy_(x)
     buf = x.new_empty((n * width, *rest))
     send, recv = (padded, buf) if native else (padded.view(torch.uint8), buf.view(torch.uint8))
-    work = _c10d.all_gather_single(recv, send, group=group, async_op=True)
+    work = _c10d.all_gather_single(recv, send, group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
         pieces = [buf.narrow(0, r * width, s) for r, s in enumerate(sizes)]
@@ -186,21 +186,21 @@ def reduce_scatter(
     rest = tuple(x.shape[1:])
     if impl == "all_reduce":
         buf = x.clone() if x.data_ptr() == tensor.data_ptr() else x
-        work = _c10d.all_reduce(buf, op=_C10D_OPS[op], group=group, async_op=True)
+        work = _c10d.all_reduce(buf, op=_C10D_OPS[op], group=group, async_op=async_op)
         return _end(work, lambda: _deliver(_unrows(buf.narrow(0, offset, mine).clone(), dim), out),
                     event, async_op)
 
     if even:
         into_out = out is not None and dim == 0 and out.is_contiguous()
         buf = out if into_out else x.new_empty((mine, *rest))
-        work = _c10d.reduce_scatter_single(buf, x, op=_C10D_OPS[op], group=group, async_op=True)
+        work = _c10d.reduce_scatter_single(buf, x, op=_C10D_OPS[op], group=group, async_op=async_op)
         return _end(work, lambda: _deliver(_unrows(buf, dim), out), event, async_op)
 
     padded = x.new_zeros((n * width, *rest))
     for r, (start, size) in enumerate(zip(_offsets(sizes), sizes)):
         padded.narrow(0, r * width, size).copy_(x.narrow(0, start, size))
     buf = x.new_empty((width, *rest))
-    work = _c10d.reduce_scatter_single(buf, padded, op=_C10D_OPS[op], group=group, async_op=True)
+    work = _c10d.reduce_scatter_single(buf, padded, op=_C10D_OPS[op], group=group, async_op=async_op)
     return _end(work, lambda: _deliver(_unrows(buf.narrow(0, 0, mine), dim), out), event, async_op)
 
 
@@ -248,6 +248,6 @@ def all_to_all(
         recv, send,
         output_split_sizes=None if even else out_splits,
         input_split_sizes=None if even else in_splits,
-        group=group, async_op=True,
+        group=group, async_op=async_op,
     )
     return _end(work, lambda: _deliver(buf, out), event, async_op)

@@ -82,12 +82,18 @@ def irecv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> Handle:
 
 def send(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> None:
     """Send `tensor` to group rank `dst` and wait until it has left."""
-    isend(tensor, dst=dst, group=group).wait()
+    info, wire = _prepare("send", tensor, dst, group)
+    event = _begin("send", tensor, dst, info, False)
+    _c10d.send(wire, group=group, group_dst=dst)  # waited in C++: no Python-held Work
+    Handle(None, lambda: None, event).wait()
 
 
 def recv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> torch.Tensor:
     """Receive into `tensor` from group rank `src`; return it."""
-    return irecv(tensor, src=src, group=group).wait()
+    info, wire = _prepare("recv", tensor, src, group)
+    event = _begin("recv", tensor, src, info, False)
+    _c10d.recv(wire, group=group, group_src=src)
+    return Handle(None, lambda: tensor, event).wait()
 
 
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Handle]:
