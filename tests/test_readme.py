@@ -31,10 +31,14 @@ def test_readme_examples_run_under_plait_run(tmp_path):
         "pipeline": (_find(blocks, "Schedule1F1B"), 2),
     }
     failures = _run(jobs, tmp_path)
-    # Gloo can abort a rank at interpreter exit after its work is done (pytorch#190489; see
-    # tests/comm/test_launch_env.py): an example that failed only that way runs once more.
-    again = {name: jobs[name] for name, out in failures.items() if EXIT_ABORT in out}
-    if again and len(again) == len(failures):
+    # Gloo can abort a rank at interpreter exit after its work is done, when a Python reference
+    # to a process group outlives destroy_process_group (pytorch#190489; see
+    # tests/comm/test_launch_env.py): an example that failed only that way runs again, twice
+    # at most. Any other failure fails at once.
+    for _ in range(2):
+        again = {name: jobs[name] for name, out in failures.items() if EXIT_ABORT in out}
+        if not again or len(again) != len(failures):
+            break
         failures = _run(again, tmp_path)
     assert not failures, "\n".join(f"--- README example {n!r} failed:\n{o[-3000:]}" for n, o in failures.items())
 
