@@ -12,13 +12,12 @@ against the op's lower bound: all-reduce 2(N-1)/N·S, all-gather and reduce-scat
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import human_bytes, median, print_table, ratio
+from benchmarks.common import human_bytes, median, print_table, ratio, slowest_rank_time
 from plait import comm
 from plait.debug import CommDebugMode
 from plait.testing import run_distributed
@@ -48,19 +47,9 @@ def _calls(op: str, nbytes: int, group, n: int):
     return (lambda: comm.broadcast(full, src=0, group=group)), (lambda: dist.broadcast(full, src=0, group=group))
 
 
-def _time(fn, group, batch: int = 1) -> float:
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(batch):
-        fn()
-    elapsed = torch.tensor([(time.perf_counter() - t0) / batch])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
-    return elapsed.item()
-
-
 def _batch_for(fn, group) -> int:
     """Calls per sample: enough for ~20 ms, agreed by every rank."""
-    one = _time(fn, group)
+    one = slowest_rank_time(fn, group)
     batch = torch.tensor([max(1, min(200, int(0.02 / max(one, 1e-6))))])
     dist.all_reduce(batch, op=dist.ReduceOp.MIN, group=group)
     return int(batch.item())
@@ -72,7 +61,7 @@ def _paired(ours, theirs, group, reps: int) -> tuple[float, float]:
     t_ours, t_theirs = [], []
     for i in range(reps):
         first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
-        a, b = _time(first, group, batch), _time(second, group, batch)
+        a, b = slowest_rank_time(first, group, batch), slowest_rank_time(second, group, batch)
         t_ours.append(a if first is ours else b)
         t_theirs.append(b if first is ours else a)
     return median(t_ours), median(t_theirs)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import median, print_table
+from benchmarks.common import median, print_table, slowest_rank_time
 from benchmarks.models import GPT, GPTConfig, lm_loss, random_tokens
 from plait import comm, debug
 from plait.ddp import DistributedDataParallel
@@ -49,15 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _timed(fn, group) -> float:
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
-    return elapsed.item()
 
 
 def _measure(quick: bool, log_path: str) -> dict:
@@ -105,8 +96,8 @@ def _measure(quick: bool, log_path: str) -> dict:
             order = list(SETTINGS) if k % 2 == 0 else list(SETTINGS)[::-1]  # nobody always goes first
             for name in order:
                 debug.configure(**SETTINGS[name])
-                steps[name].append(_timed(step, group))
-                per_op[name].append(_timed(ops, group) / ops_per_sample)
+                steps[name].append(slowest_rank_time(step, group))
+                per_op[name].append(slowest_rank_time(ops, group) / ops_per_sample)
                 door[name].append(local_ops())
     finally:
         from plait.debug import session

@@ -19,10 +19,9 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import median, print_table, ratio
+from benchmarks.common import median, print_table, ratio, slowest_rank_time
 from plait import comm
 from plait import tensor as pt
 from plait.debug import CommDebugMode
@@ -42,15 +41,6 @@ def _wait(local: torch.Tensor) -> torch.Tensor:
     return local.wait() if hasattr(local, "wait") else local  # torch's AsyncCollectiveTensor
 
 
-def _timed(fn, group) -> float:
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
-    return elapsed.item()
-
-
 def _redistribute_rows(meshes, reps: int) -> list[tuple]:
     import torch.distributed.tensor as tt
 
@@ -68,7 +58,7 @@ def _redistribute_rows(meshes, reps: int) -> list[tuple]:
             for rep in range(reps + 1):
                 for lib in ("plait", "torch"):
                     x, target, mesh = xs[lib], targets[lib], meshes[lib]
-                    t = _timed(lambda: _wait(x.redistribute(mesh, target).to_local()), group)  # noqa: B023
+                    t = slowest_rank_time(lambda: _wait(x.redistribute(mesh, target).to_local()), group)  # noqa: B023
                     if rep:  # the first call builds plans and caches: not a sample
                         samples[lib].append(t)
             p, q = median(samples["plait"]) * 1e3, median(samples["torch"]) * 1e3

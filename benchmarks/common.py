@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
 
 
 def median(xs: Sequence[float]) -> float:
@@ -34,3 +38,15 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
     if notes:
         print(f"\n{notes}")
     print(flush=True)
+
+
+def slowest_rank_time(fn: Callable[[], object], group, batch: int = 1) -> float:
+    """Seconds per call of `fn` on the slowest rank of `group`: a barrier, `batch` calls
+    back to back, then the max across ranks (one sample)."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        fn()
+    elapsed = torch.tensor([(time.perf_counter() - t0) / batch])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return elapsed.item()
