@@ -26,6 +26,10 @@ _EXPORTS = {
     "distribute_module": "plait.tensor",
     "DistributedDataParallel": "plait.ddp",
     "replicate": "plait.ddp",
+    "fully_shard": "plait.fsdp",
+    "FSDPModule": "plait.fsdp",
+    "MixedPrecisionPolicy": "plait.fsdp",
+    "CPUOffloadPolicy": "plait.fsdp",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,186 @@
+"""fully_shard: torch's FSDP2 entry point, and FSDPModule, the class it mixes in.
+
+    fully_shard(block) for each block, then fully_shard(model):
+        managed modules: `module`'s subtree minus subtrees an earlier call manages
+        each managed parameter -> FSDPParam (Shard(0) DTensor registered in its place)
+        -> one ParamGroup -> one FSDPState (hooks) -> module.__class__ = FSDP<Class>
+
+A parameter belongs to exactly one group: a weight tied between two groups would be
+reduced twice, so it is refused here, naming both places (group them with
+fully_shard([a, b]) or shard their common parent). Buffers are not sharded; they move to
+the mesh's device like the parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.device_mesh import DeviceMesh, init_device_mesh
+from plait.fsdp.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.group import ParamGroup
+from plait.fsdp.param import FSDPParam
+from plait.fsdp.state import FSDPState
+from plait.tensor import DTensor, Shard
+
+_OWNER = "_plait_fsdp_owner"  # set on an original parameter: the group that took it
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, as torch's
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shard `module`'s parameters over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP) and
+    gather them around its forward and backward; returns `module`, now an FSDPModule.
+
+    reshard_after_forward: True frees the unsharded parameters after forward and gathers
+    again in backward; False keeps them; None (torch's default) is True except for the
+    root. An int (torch: reshard to a smaller world) is not supported."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
+    name = ", ".join(_describe(m) for m in modules)
+    for m in modules:
+        if getattr(m, "_plait_fsdp_state", None) is not None:
+            raise ValueError(f"fully_shard was already applied to {_describe(m)}; apply it once per module")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} (resharding to a smaller "
+            "world after forward) is not supported by plait; pass True, False or None")
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard({name}) got a {mesh.ndim}-D mesh {mesh.shape}; it takes a 1-D mesh "
+                         "(FSDP) or a 2-D (replicate, shard) mesh (HSDP); slice yours, e.g. mesh['dp']")
+    device = _device(mesh)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    shard_device = torch.device("cpu") if offload else device
+    ignored = set(map(id, ignored_params or ()))
+
+    managed = _managed_modules(modules)
+    sites: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    for m in managed:
+        for key, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            _check_param(p, key, m, name, mesh)
+            sites.setdefault(id(p), (p, []))[1].append((m, key))
+        for key, b in m._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                _check_device(b, f"buffer {key!r}", m, name, mesh)
+                m._buffers[key] = b.to(device)
+
+    fsdp_params = []
+    for p, where in sites.values():
+        placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+        placement = placement if placement is not None else Shard(0)
+        if not isinstance(placement, Shard):
+            raise TypeError(f"shard_placement_fn returned {placement!r} for a parameter of {name}; return a "
+                            "Shard(dim) or None")
+        if p.dim() == 0 or not -p.dim() <= placement.dim < p.dim():
+            raise ValueError(f"fully_shard({name}): cannot shard parameter {where[0][1]!r} of shape "
+                             f"{tuple(p.shape)} on dim {placement.dim}; scalars are not supported, "
+                             "reshape them to (1,)")
+        fp = FSDPParam(p, where, mesh, placement, shard_device=shard_device,
+                       pin_memory=offload and offload_policy.pin_memory)
+        setattr(p, _OWNER, name)
+        fp.register(fp.sharded)
+        fsdp_params.append(fp)
+
+    group = None
+    if fsdp_params:
+        group = ParamGroup(fsdp_params, mesh, device=device, param_dtype=mp_policy.param_dtype,
+                           reduce_dtype=mp_policy.reduce_dtype, name=name)
+        group.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+    state = FSDPState(modules, group, mp_policy=mp_policy, name=name,
+                      auto_reshard_after_forward=reshard_after_forward is None)
+    for m in modules:
+        m._plait_fsdp_state = state
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _describe(m: nn.Module) -> str:
+    return type(m).__name__
+
+
+def _default_mesh() -> DeviceMesh:
+    device_type = "cuda" if comm.default_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (comm.world_size(),))
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _managed_modules(roots: list[nn.Module]) -> list[nn.Module]:
+    """The roots' subtrees, minus the subtrees of modules an earlier fully_shard manages."""
+    seen, out = set(), []
+
+    def visit(m: nn.Module, is_root: bool) -> None:
+        if id(m) in seen or (not is_root and getattr(m, "_plait_fsdp_state", None) is not None):
+            return
+        seen.add(id(m))
+        out.append(m)
+        for child in m.children():
+            visit(child, False)
+
+    for r in roots:
+        visit(r, True)
+    return out
+
+
+def _check_device(t: torch.Tensor, what: str, m: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    if t.is_meta or t.device.type in ("cpu", mesh.device_type):
+        if mesh.device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"fully_shard({name}): the mesh is on cuda, which this process cannot use, and "
+                             f"{what} of {_describe(m)} is on {t.device}; build the mesh on "
+                             f"{t.device.type!r}")
+        return
+    raise ValueError(f"fully_shard({name}): {what} of {_describe(m)} is on {t.device}, but the mesh is on "
+                     f"{mesh.device_type!r}; move the module to {mesh.device_type!r} first")
+
+
+def _check_param(p: nn.Parameter, key: str, m: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    owner = getattr(p, _OWNER, None)
+    if owner is not None:
+        raise ValueError(
+            f"parameter {key!r} of {_describe(m)} is shared with group fully_shard({owner}), which already "
+            f"shards it; a parameter belongs to one group: put the modules that share it in one call, "
+            f"fully_shard([a, b]), or shard their common parent")
+    if isinstance(p, DTensor):
+        raise NotImplementedError(f"parameter {key!r} of {_describe(m)} is already a DTensor; fully_shard "
+                                  "over tensor-parallel parameters is not supported yet")
+    _check_device(p, f"parameter {key!r}", m, name, mesh)
+
+
+@functools.cache
+def _fsdp_class(cls: type) -> type:
+    """FSDP<cls>: FSDPModule first in the MRO, so isinstance holds for both."""
+    from plait.fsdp.module import FSDPModule
+
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+
+
+def _states(module: nn.Module, recurse: bool) -> Iterable[FSDPState]:
+    seen = []
+    for m in (module.modules() if recurse else [module]):
+        state = getattr(m, "_plait_fsdp_state", None)
+        if state is not None and state not in seen:
+            seen.append(state)
+    return seen
+
+
+__all__ = ["fully_shard"]

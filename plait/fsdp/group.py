@@ -1,0 +1,193 @@
+"""ParamGroup: the parameters of one `fully_shard` call, gathered and reduced together.
+
+    SHARDED --unshard()--> [all-gather in flight] --wait_for_unshard()--> UNSHARDED
+    UNSHARDED --reshard()--> SHARDED
+
+    unshard:   padded shards -> all-gather input (S,) in param_dtype -> one all-gather
+               -> (N, S) rank-major -> one copy-out -> flat buffer (N*S,) param-major,
+               param i's block (N*P_i,) whose first numel_i elements are its unsharded view
+    reshard:   the sharded DTensors go back on the module; the flat buffer's storage is
+               resized to 0 (the views keep their shapes, the memory is freed)
+    reduce:    unsharded grads -> reduce-scatter input (N, S) rank-major, padding zero, in
+               reduce_dtype -> one reduce-scatter (sum) on the shard axis -> (S,) -> HSDP:
+               all-reduce on the replicate axis -> / data-parallel size -> sharded .grad
+
+S is the sum of every parameter's padded shard numel P_i. The flat buffer is allocated once
+and refilled in place, so tensors autograd saved in forward (the parameter, views of it)
+see the values of the re-gather in backward.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from plait import comm
+from plait.device_mesh import DeviceMesh
+from plait.fsdp.param import FSDPParam
+
+
+class ShardedState(Enum):
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+class ReduceQueue:
+    """Reduce-scatters in flight, shared by every group under one root. Issuing one waits
+    for the one before, so a group's reduce-scatter overlaps the next group's backward and
+    at most one reduce-scatter's buffers are alive."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[ParamGroup, comm.Handle]] = []
+
+    def push(self, group: ParamGroup, handle: comm.Handle) -> None:
+        self.drain()
+        self.pending.append((group, handle))
+
+    def drain(self) -> None:
+        while self.pending:
+            group, handle = self.pending.pop(0)
+            group.finish_reduce(handle.wait())
+
+
+class ParamGroup:
+    """One all-gather and one reduce-scatter per step for every parameter in `params`."""
+
+    def __init__(self, params: list[FSDPParam], mesh: DeviceMesh, *, device: torch.device,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, name: str) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.device = device
+        self.name = name
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.world = mesh.size(mesh.ndim - 1)
+        self.dp_size = mesh.size()
+        dtypes = {p.orig_dtype for p in params}
+        if param_dtype is None and len(dtypes) > 1:
+            raise ValueError(
+                f"fully_shard({name}) groups parameters of dtypes {sorted(map(str, dtypes))}; one "
+                "all-gather needs one dtype: pass mp_policy=MixedPrecisionPolicy(param_dtype=...) or "
+                "call fully_shard on the submodules separately"
+            )
+        self.param_dtype = param_dtype or next(iter(dtypes))
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.sizes = [p.padded_numel for p in params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
+        self.total = sum(self.sizes)  # S
+        self.state = ShardedState.SHARDED
+        self._gather: comm.Handle | None = None
+        self._flat: torch.Tensor | None = None  # (N*S,) param-major; storage freed when sharded
+        self._partial: torch.Tensor | None = None  # HSDP: reduced on the shard axis only (no all-reduce)
+        self.queue = ReduceQueue()  # replaced by the root's at lazy init
+        # knobs (FSDPModule.set_*)
+        self.reshard_after_forward = True
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.unshard_count = 0  # all-gathers issued (tests count them)
+
+    # -- parameters --------------------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is ShardedState.UNSHARDED
+
+    @property
+    def gather_pending(self) -> bool:
+        return self._gather is not None
+
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Issue the all-gather (unless unsharded or in flight); wait for it unless async_op."""
+        if self.state is ShardedState.SHARDED and self._gather is None:
+            for p in self.params:
+                p.refresh_sharded()
+            inp = torch.empty(self.total, dtype=self.param_dtype, device=self.device)  # (S,)
+            with torch.no_grad():
+                for p, off, size in zip(self.params, self.offsets, self.sizes):
+                    p.copy_in(inp[off:off + size])
+            self._gather = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True)
+            self.unshard_count += 1
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather in flight: copy out into the flat buffer, expose the views."""
+        if self._gather is None:
+            return
+        gathered = self._gather.wait()  # (N, S), rank r's shards in row r
+        self._gather = None
+        assert self.state is ShardedState.SHARDED, f"{self.name}: gather finished in state {self.state}"
+        n, nbytes = self.world, self.world * self.total * torch.tensor([], dtype=self.param_dtype).element_size()
+        fresh = self._flat is None
+        if fresh:
+            self._flat = torch.empty(n * self.total, dtype=self.param_dtype, device=self.device)
+        else:
+            self._flat.untyped_storage().resize_(nbytes)
+        blocks = [self._flat[n * off: n * (off + size)] for off, size in zip(self.offsets, self.sizes)]
+        with torch.no_grad():
+            torch.split_with_sizes_copy(gathered, self.sizes, dim=1, out=[b.view(n, s) for b, s in
+                                                                          zip(blocks, self.sizes)])
+        for p, block in zip(self.params, blocks):
+            if fresh or p.unsharded is None or p.unsharded.dtype != self.param_dtype:
+                p.bind(block)
+            p.register(p.unsharded)
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Back to the sharded parameters; free the unsharded memory (a gather in flight is
+        waited for and dropped)."""
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+        if self.state is ShardedState.SHARDED:
+            return
+        for p in self.params:
+            p.register(p.sharded)
+        self._flat.untyped_storage().resize_(0)
+        self.state = ShardedState.SHARDED
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def has_grads(self) -> bool:
+        return any((p.unsharded is not None and p.unsharded.grad is not None) or p.acc_grad is not None
+                   for p in self.params)
+
+    def post_backward(self) -> None:
+        """This group's gradients are complete: reshard if asked, then reduce-scatter them
+        (queued; the next group's post-backward or the root's final callback waits for it)."""
+        if self.reshard_after_backward:
+            self.reshard()
+        if not self.requires_gradient_sync:
+            for p in self.params:
+                p.accumulate_unsharded(self.reduce_dtype)
+            return
+        if not self.has_grads():
+            return  # every rank skips alike: the group took no part in this backward
+        n = self.world
+        rs_in = torch.zeros(n, self.total, dtype=self.reduce_dtype, device=self.device)  # (N, S)
+        with torch.no_grad():
+            for p, off, size in zip(self.params, self.offsets, self.sizes):
+                p.fill_grad(rs_in[:, off:off + size])
+        handle = comm.reduce_scatter(rs_in.view(-1), group=self.shard_group, async_op=True)  # -> (S,)
+        self.queue.push(self, handle)
+
+    def finish_reduce(self, reduced: torch.Tensor) -> None:
+        """`reduced` (S,) is the sum over the shard axis; add the replicate axis (HSDP),
+        average, and land every parameter's piece in its sharded .grad."""
+        if self.replicate_group is not None:
+            if self._partial is not None:
+                reduced = reduced.add_(self._partial)
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial = reduced
+                return
+            comm.all_reduce(reduced, group=self.replicate_group)
+        reduced.div_(self.dp_size)
+        with torch.no_grad():
+            for p, off, size in zip(self.params, self.offsets, self.sizes):
+                p.take_shard_grad(reduced[off:off + size])
+
+
+__all__ = ["ParamGroup", "ReduceQueue", "ShardedState"]

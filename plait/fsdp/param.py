@@ -1,0 +1,179 @@
+"""FSDPParam: one parameter of a group, in its three forms.
+
+    original nn.Parameter (shape S, dim d sharded)
+      -> sharded: nn.Parameter(DTensor, Shard(d)), registered on the module while SHARDED;
+         its local tensor (torch.chunk piece r along d) is the only parameter memory held
+         between steps, and the optimizer steps on it
+      -> padded shard: the local piece with d moved first, flattened and zero-padded to
+         ceil(S[d]/N) rows, copied into the group's all-gather input at its offset
+      -> unsharded: a plain nn.Parameter (an autograd leaf) whose data is a view into the
+         group's flat unsharded buffer, registered on the module while UNSHARDED
+
+In "rows" layout (d moved first) rank r's padded shard holds rows [r*P, (r+1)*P), P the
+padded row count. torch.chunk fills ranks in order, so the real rows are exactly the first
+S[d] rows of the N*P padded rows: the unsharded view is a prefix, the padding never shows.
+The gradient goes the other way: the unsharded .grad, in rows layout, fills the same prefix
+of the reduce-scatter input (padding zero), and rank r's reduced piece lands in the
+sharded .grad as a DTensor with the parameter's spec.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from plait.device_mesh import DeviceMesh
+from plait.tensor import DTensor, Replicate, Shard
+from plait.tensor.placement import chunk_offset, contiguous_strides
+from plait.tensor.spec import DTensorSpec
+
+
+class FSDPParam:
+    """One parameter of a group; `sites` are the (module, name) slots it is registered in
+    (several for a weight tied within the group)."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        sites: list[tuple[nn.Module, str]],
+        mesh: DeviceMesh,
+        placement: Shard,
+        *,
+        shard_device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.sites = sites
+        self.fqn = sites[0][1]  # the full dotted name is set when the root initialises
+        self.shape = tuple(param.shape)
+        self.orig_dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        self.dim = placement.dim % max(param.dim(), 1)
+        n, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+        self.world = n
+        self.rows = self.shape[self.dim]
+        self.rest = self.shape[: self.dim] + self.shape[self.dim + 1:]  # the other dims, in order
+        self.row_numel = math.prod(self.rest)
+        self.numel = self.rows * self.row_numel
+        self.pad_rows = -(-self.rows // n)
+        self.padded_numel = self.pad_rows * self.row_numel  # per rank, in the flat buffers
+        self.local_rows, start = chunk_offset(self.rows, n, rank)
+
+        local = param.detach().narrow(self.dim, start, self.local_rows)
+        if not local.is_meta and local.device != shard_device:
+            local = local.to(shard_device)
+        local = local.contiguous().clone() if not local.is_meta else torch.empty_like(local.contiguous())
+        if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
+            local = local.pin_memory()
+        placements = (Shard(self.dim),) if mesh.ndim == 1 else (Replicate(), Shard(self.dim))
+        spec = DTensorSpec(mesh, placements, self.shape, contiguous_strides(self.shape), param.dtype)
+        self.sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad)
+        self.unsharded: nn.Parameter | None = None  # created at the first unshard, kept after
+        self.acc_grad: torch.Tensor | None = None  # unsharded grads kept in reduce_dtype across no-sync steps
+
+    # -- the sharded form ------------------------------------------------------------------
+
+    def refresh_sharded(self) -> None:
+        """Adopt a parameter the user registered in our place (load_state_dict(assign=True),
+        module._apply), after checking it is a DTensor laid out as ours is."""
+        module, name = self.sites[0]
+        current = module._parameters.get(name)
+        if current is self.sharded or current is self.unsharded or current is None:
+            return
+        if not isinstance(current, DTensor) or current._spec.placements != self.sharded._spec.placements \
+                or tuple(current.shape) != self.shape:
+            raise ValueError(
+                f"parameter {self.fqn!r} was replaced by a {type(current).__name__} of shape "
+                f"{tuple(current.shape)}; fully_shard needs a DTensor of shape {self.shape} with placements "
+                f"{self.sharded._spec.placements} (load a sharded state dict, or call load_state_dict "
+                "without assign=True)"
+            )
+        if not isinstance(current, nn.Parameter):
+            current = nn.Parameter(current, requires_grad=self.requires_grad)
+        self.sharded = current
+        for m, n in self.sites:
+            m._parameters[n] = current
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.sharded._local_tensor
+
+    def register(self, which: nn.Parameter) -> None:
+        for module, name in self.sites:
+            module._parameters[name] = which
+
+    def copy_in(self, dst: torch.Tensor) -> None:
+        """Write this rank's padded shard into `dst` (padded_numel,), casting to dst's dtype."""
+        n = self.local_rows * self.row_numel
+        rows = self.local if self.dim == 0 else self.local.movedim(self.dim, 0)
+        dst[:n].copy_(rows.reshape(-1))
+        dst[n:].zero_()
+
+    # -- the unsharded form ----------------------------------------------------------------
+
+    def bind(self, block: torch.Tensor) -> None:
+        """Point the unsharded parameter at `block` (world * padded_numel,) of the flat
+        buffer, once: later unshards refill the same storage, so the autograd graph's saved
+        references to the parameter see the new values."""
+        view = block[: self.numel].view(self.rows, *self.rest)  # (rows, *rest)
+        if self.dim != 0:
+            view = view.movedim(0, self.dim)  # back to the parameter's shape, strided
+        if self.unsharded is None:
+            # .data keeps the Parameter's own version counter: refilling the flat buffer in
+            # place does not look like an in-place change of a tensor saved for backward
+            self.unsharded = nn.Parameter(torch.empty(0, dtype=block.dtype, device=block.device),
+                                          requires_grad=self.requires_grad)
+        self.unsharded.data = view
+
+    def fill_grad(self, dst: torch.Tensor) -> bool:
+        """Write the unsharded gradient (plus any accumulated one) into `dst` (world,
+        padded_numel), a strided column block of the reduce-scatter input whose padding is
+        zero already. Returns False when there is no gradient."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if grad is None and self.acc_grad is None:
+            return False
+        if grad is not None:
+            rows = (grad if self.dim == 0 else grad.movedim(self.dim, 0)).reshape(-1)
+            if self.acc_grad is not None:
+                rows = self.acc_grad + rows
+        else:
+            rows = self.acc_grad
+        full, rem = divmod(self.numel, self.padded_numel) if self.padded_numel else (0, 0)
+        if full:
+            dst[:full].copy_(rows[: full * self.padded_numel].view(full, self.padded_numel))
+        if rem:
+            dst[full, :rem].copy_(rows[full * self.padded_numel:])
+        self.clear_grad()
+        return True
+
+    def accumulate_unsharded(self, dtype: torch.dtype) -> None:
+        """Keep this step's unsharded gradient (no gradient sync) in `dtype`, in rows layout."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if grad is None or grad.dtype == dtype:
+            return  # autograd accumulates into .grad itself
+        rows = (grad if self.dim == 0 else grad.movedim(self.dim, 0)).reshape(-1).to(dtype)
+        self.acc_grad = rows if self.acc_grad is None else self.acc_grad.add_(rows)
+        self.unsharded.grad = None
+
+    def clear_grad(self) -> None:
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        self.acc_grad = None
+
+    def take_shard_grad(self, piece: torch.Tensor) -> None:
+        """Add rank r's reduced piece (padded_numel,) to the sharded .grad."""
+        local = piece[: self.local_rows * self.row_numel].view(self.local_rows, *self.rest)
+        if self.dim != 0:
+            local = local.movedim(0, self.dim)
+        local = local.to(device=self.local.device, dtype=self.orig_dtype)
+        grad = self.sharded.grad
+        if grad is None:
+            if local.untyped_storage().data_ptr() == piece.untyped_storage().data_ptr():
+                local = local.clone()  # do not keep the whole reduce-scatter output alive
+            self.sharded.grad = DTensor(local.contiguous(), self.sharded._spec, requires_grad=False)
+        else:
+            grad._local_tensor.add_(local)
+
+
+__all__ = ["FSDPParam"]
