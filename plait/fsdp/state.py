@@ -50,7 +50,9 @@ class SharedContext:
         self.queue = ReduceQueue()
         self.callback_queued = False
         self.is_last_backward = True
-        self.peak_unsharded = 0  # most groups unsharded at once (tests read it)
+        # most non-root groups unsharded (or being gathered) at once; the root's group is
+        # unsharded for the whole of its forward, around every other group's (tests read it)
+        self.peak_unsharded = 0
 
 
 class FSDPState:
@@ -106,8 +108,8 @@ class FSDPState:
                 fsdp_of[id(param)].fqn = fqn
 
     def _unsharded_groups(self) -> int:
-        return sum(1 for s in self.ctx.states if s.group is not None and (s.group.is_unsharded or
-                                                                          s.group.gather_pending))
+        return sum(1 for s in self.ctx.states if s.group is not None and not s.is_root
+                   and (s.group.is_unsharded or s.group.gather_pending))
 
     def _note_peak(self) -> None:
         self.ctx.peak_unsharded = max(self.ctx.peak_unsharded, self._unsharded_groups())
