@@ -107,7 +107,26 @@ def fully_shard(
     for m in modules:
         m._plait_fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
+    if group is not None:
+        _register_state_dict_hooks(modules, group)
     return module
+
+
+def _register_state_dict_hooks(modules: list[nn.Module], group: ParamGroup) -> None:
+    """state_dict and load_state_dict always see the sharded DTensors (unsharded ones are
+    freed first); a load with assign=True registers new parameters, which the group adopts."""
+
+    def to_sharded(*args: Any, **kwargs: Any) -> None:
+        group.reshard()
+
+    def adopt(*args: Any, **kwargs: Any) -> None:
+        for p in group.params:
+            p.refresh_sharded()
+
+    for m in modules:
+        m.register_state_dict_pre_hook(to_sharded)
+        m._register_load_state_dict_pre_hook(to_sharded)
+        m.register_load_state_dict_post_hook(adopt)
 
 
 def _describe(m: nn.Module) -> str:

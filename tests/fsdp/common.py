@@ -105,9 +105,11 @@ def assert_full_params_close(model: nn.Module, ref: nn.Module, *, atol: float, r
     ours = dict(model.named_parameters())
     theirs = dict(ref.named_parameters())
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
     for name, p in ours.items():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        torch.testing.assert_close(full.detach(), theirs[name].detach(), atol=atol, rtol=rtol,
+        torch.testing.assert_close(whole(p).detach(), whole(theirs[name]).detach(), atol=atol, rtol=rtol,
                                    msg=lambda m, name=name: f"{what}: parameter {name}: {m}")
 
 
