@@ -130,7 +130,9 @@ def _register_state_dict_hooks(modules: list[nn.Module], group: ParamGroup) -> N
 
 
 def _describe(m: nn.Module) -> str:
-    return type(m).__name__
+    """The module's own class name (FSDP<Class> after fully_shard says Class)."""
+    cls = type(m)
+    return cls.__mro__[2].__name__ if getattr(m, "_plait_fsdp_state", None) is not None else cls.__name__
 
 
 def _default_mesh() -> DeviceMesh:
