@@ -95,6 +95,11 @@ class ParamGroup:
         return self.state is ShardedState.UNSHARDED
 
     @property
+    def unsharded_bytes(self) -> int:
+        """Bytes of the flat unsharded buffer (N*S elements in param_dtype)."""
+        return self.world * self.total * torch.empty((), dtype=self.param_dtype).element_size()
+
+    @property
     def gather_pending(self) -> bool:
         return self._gather is not None
 
@@ -119,7 +124,7 @@ class ParamGroup:
         gathered = self._gather.wait()  # (N, S), rank r's shards in row r
         self._gather = None
         assert self.state is ShardedState.SHARDED, f"{self.name}: gather finished in state {self.state}"
-        n, nbytes = self.world, self.world * self.total * torch.tensor([], dtype=self.param_dtype).element_size()
+        n, nbytes = self.world, self.unsharded_bytes
         fresh = self._flat is None
         if fresh:
             self._flat = torch.empty(n * self.total, dtype=self.param_dtype, device=self.device)

@@ -53,6 +53,7 @@ class SharedContext:
         # most non-root groups unsharded (or being gathered) at once; the root's group is
         # unsharded for the whole of its forward, around every other group's (tests read it)
         self.peak_unsharded = 0
+        self.peak_unsharded_bytes = 0  # flat unsharded buffers alive at once, root included
 
 
 class FSDPState:
@@ -112,7 +113,11 @@ class FSDPState:
                    and (s.group.is_unsharded or s.group.gather_pending))
 
     def _note_peak(self) -> None:
-        self.ctx.peak_unsharded = max(self.ctx.peak_unsharded, self._unsharded_groups())
+        ctx = self.ctx
+        ctx.peak_unsharded = max(ctx.peak_unsharded, self._unsharded_groups())
+        live = sum(s.group.unsharded_bytes for s in ctx.states
+                   if s.group is not None and (s.group.is_unsharded or s.group.gather_pending))
+        ctx.peak_unsharded_bytes = max(ctx.peak_unsharded_bytes, live)
 
     def unshard(self) -> None:
         if self.group is not None:

@@ -1,0 +1,176 @@
+"""plait's fully_shard against torch.distributed.fsdp.fully_shard (FSDP2).
+
+    world 2 and 4 (Gloo, one thread per rank) -> the GPT of benchmarks.models (4 layers,
+    d_model 256, vocab 1024, seq 128, tied embeddings: Ψ ≈ 3.4M parameters), batch 4 per
+    rank, fully_shard per block then the root, AdamW
+    -> per reshard_after_forward (True, False; the same for every group, root included):
+       both on the same initial model, warmed up, then single steps alternately; a
+       sample is the slowest rank's step, the ratio the median of adjacent steps' ratios
+    -> counted, machine-independent (plait, CommDebugMode): bytes each rank sends per step
+       over Ψ x 4 bytes, against 3(N-1)/N (reshard after forward: all-gather in forward
+       and backward, reduce-scatter) or 2(N-1)/N; collectives per step
+    -> resident bytes per rank of parameters + gradients + AdamW state (local shards,
+       counted tensor by tensor), max over ranks, against the ZeRO-3 formula 16Ψ/N; the
+       peak of unsharded flat buffers alive at once against root + the two largest
+       other groups (the prefetch bound; without resharding after forward: every group)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import human_bytes, median, print_table
+from benchmarks.models import GPT, GPTConfig, lm_loss, random_tokens
+from plait import comm
+from plait.debug import CommDebugMode
+from plait.fsdp import fully_shard
+from plait.testing import run_distributed
+
+BATCH_PER_RANK = 4
+WORLDS = (2, 4)
+
+
+def _model(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def _shard(model: GPT, shard_fn, reshard: bool, **kwargs) -> GPT:
+    for block in model.blocks:
+        shard_fn(block, reshard_after_forward=reshard, **kwargs)
+    shard_fn(model, reshard_after_forward=reshard, **kwargs)
+    return model
+
+
+def _step(model, opt, tokens: torch.Tensor) -> None:
+    lm_loss(model(tokens), tokens).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _timed_step(model, opt, tokens: torch.Tensor, group) -> tuple[float, float]:
+    """(wall, training-thread CPU) seconds of one step, each the slowest rank's."""
+    dist.barrier(group=group)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    _step(model, opt, tokens)
+    elapsed = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return elapsed[0].item(), elapsed[1].item()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _resident(model, opt, group) -> int:
+    """Bytes of this rank's parameter, gradient and optimizer-state tensors; max over ranks."""
+    total = 0
+    for p in model.parameters():
+        total += _local(p).numel() * p.element_size()
+        if p.grad is not None:
+            total += _local(p.grad).numel() * p.grad.element_size()
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                total += _local(v).numel() * v.element_size()
+    t = torch.tensor([float(total)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def _measure(quick: bool) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    warnings.filterwarnings("ignore")
+    group = comm.world_group()
+    rank, n = comm.get_rank(group), comm.get_world_size(group)
+    cfg = GPTConfig.small()
+    rounds, warmup = (4, 2) if quick else (12, 3)
+    tokens = random_tokens(cfg, BATCH_PER_RANK * n, seed=0)[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+    psi = sum(p.numel() for p in _model(cfg).parameters())
+    mesh = torch_mesh("cpu", (n,))
+    out = []
+    for reshard in (True, False):
+        ours = _shard(_model(cfg), fully_shard, reshard)
+        theirs = _shard(_model(cfg), torch_fully_shard, reshard, mesh=mesh)
+        opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
+        opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
+        for _ in range(warmup):
+            _step(ours, opt_ours, tokens)
+            _step(theirs, opt_theirs, tokens)
+        t_ours, t_theirs = [], []
+        for k in range(rounds):  # alternate who goes first
+            pair = [(ours, opt_ours, t_ours), (theirs, opt_theirs, t_theirs)]
+            for model, opt, times in pair if k % 2 == 0 else pair[::-1]:
+                times.append(_timed_step(model, opt, tokens, group))
+        ctx = ours._plait_fsdp_state.ctx
+        ctx.peak_unsharded_bytes = 0
+        with CommDebugMode() as mode:
+            lm_loss(ours(tokens), tokens).backward()
+        lm_loss(theirs(tokens), tokens).backward()
+        resident = (_resident(ours, opt_ours, group), _resident(theirs, opt_theirs, group))
+        opt_ours.step(), opt_theirs.step()
+        opt_ours.zero_grad(), opt_theirs.zero_grad()
+        groups = [s.group for s in ctx.states if s.group is not None]
+        root, others = ours._plait_fsdp_state.group, sorted(g.unsharded_bytes for g in groups
+                                                            if g is not ours._plait_fsdp_state.group)
+        out.append(dict(
+            reshard=reshard, n=n,
+            ours=median([t[0] for t in t_ours]), theirs=median([t[0] for t in t_theirs]),
+            ratio=median([a[0] / b[0] for a, b in zip(t_ours, t_theirs)]),
+            cpu=median([a[1] / b[1] for a, b in zip(t_ours, t_theirs)]),
+            counts=dict(mode.get_comm_counts()), sent=mode.get_total_bytes(),
+            psi=psi, padded=sum(g.world * g.total for g in groups),
+            resident=resident, peak=ctx.peak_unsharded_bytes,
+            # resharding after forward: the root's buffer plus the current and the prefetched
+            # group; without: every group stays unsharded from its forward to its backward
+            peak_bound=root.unsharded_bytes + sum(others[-2:] if reshard else others),
+        ))
+        del ours, theirs, opt_ours, opt_theirs
+    return out
+
+
+def run(quick: bool) -> None:
+    rows, mem_rows = [], []
+    for world in WORLDS:
+        for r in run_distributed(_measure, quick, world_size=world, timeout=3600)[0]:
+            n, psi_bytes = r["n"], r["psi"] * 4
+            expected = (3 if r["reshard"] else 2) * (n - 1) / n
+            counts = r["counts"]
+            rows.append([
+                n, r["reshard"], f"{r['ours'] * 1e3:.1f}", f"{r['theirs'] * 1e3:.1f}", f"{r['ratio']:.2f}",
+                f"{r['cpu']:.2f}", f"{counts.get('all_gather', 0)} / {counts.get('reduce_scatter', 0)}",
+                human_bytes(r["sent"]), f"{r['sent'] / psi_bytes:.4f}", f"{expected:.4f}",
+                f"{r['sent'] / (r['padded'] * 4):.4f}",
+            ])
+            mem_rows.append([
+                n, r["reshard"], human_bytes(r["resident"][0]), human_bytes(r["resident"][1]),
+                human_bytes(16 * psi_bytes / 4 / n), f"{r['resident'][0] / (16 * r['psi'] / n):.4f}",
+                human_bytes(r["peak"]), human_bytes(r["peak_bound"]),
+            ])
+    print_table(
+        "fully_shard step, GPT (4 x d256, vocab 1024, tied), per-block + root, AdamW, Gloo",
+        ["ranks", "reshard_after_forward", "plait ms", "torch ms", "plait/torch", "CPU plait/torch",
+         "all-gathers / reduce-scatters", "plait bytes/rank/step", "bytes / (Ψ·4)", "3(N-1)/N or 2(N-1)/N",
+         "bytes / (padded Ψ·4)"],
+        rows,
+        notes="Step times: medians of alternating steps (slowest rank); plait/torch: median of adjacent "
+              "steps' ratios; CPU: the same for the training thread's CPU time. Bytes: plait.comm's ring "
+              "model, counted by CommDebugMode over forward + backward; padded Ψ counts each parameter's "
+              "dim 0 rounded up to a multiple of N, what the collectives carry.",
+    )
+    print_table(
+        "fully_shard memory per rank (max over ranks), fp32 AdamW",
+        ["ranks", "reshard_after_forward", "plait params+grads+optim", "torch params+grads+optim", "16Ψ/N",
+         "plait / (16Ψ/N)", "plait peak unsharded buffers", "bound"],
+        mem_rows,
+        notes="Resident: every local shard of parameters, gradients and AdamW state (exp_avg, exp_avg_sq, "
+              "step), counted tensor by tensor after backward; the excess over 16Ψ/N is uneven chunks "
+              "and AdamW's per-parameter step scalars. Peak bound: with resharding after forward, the root's "
+              "buffer plus the two largest other groups (current + prefetched); without, every group.",
+    )
