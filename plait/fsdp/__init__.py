@@ -16,7 +16,7 @@ forms), group (state machine and collectives), state (hooks and the root), modul
 
 from plait.fsdp.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from plait.fsdp.fully_shard import fully_shard
-from plait.fsdp.module import FSDPModule, UnshardHandle
+from plait.fsdp.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
-           "fully_shard"]
+           "fully_shard", "register_fsdp_forward_method"]

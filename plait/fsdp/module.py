@@ -11,6 +11,7 @@ Setters take `recurse=True` as torch's do: they apply to every FSDP group in the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -110,6 +111,21 @@ class FSDPModule:
         self._plait_fsdp_state.ctx.is_last_backward = is_last_backward
 
 
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run fully_shard's forward hooks around `module.<method_name>` too (e.g. `generate`),
+    which nn.Module's hooks only do for `forward`."""
+    state = _state_of(module)
+    method = getattr(module, method_name)
+    post_forward = state._make_post_forward(module)
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
 def _state_of(module: nn.Module) -> FSDPState:
     state = getattr(module, "_plait_fsdp_state", None)
     if state is None:
@@ -117,4 +133,4 @@ def _state_of(module: nn.Module) -> FSDPState:
     return state
 
 
-__all__ = ["FSDPModule", "UnshardHandle"]
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]

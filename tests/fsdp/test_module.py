@@ -197,3 +197,56 @@ def test_prefetch_and_peak_unsharded_groups(explicit):
         assert [i for i, _, _ in back] == list(range(last, -1, -1)), back
         assert all(isinstance(p, DTensor) for p in model.parameters())
     assert_full_params_close(model, ref, atol=2e-5, rtol=1e-4, what="after prefetching")
+
+
+class Checkpointed(Deep):
+    """Every block under non-reentrant activation checkpointing: its forward runs again
+    inside backward, where the group must stay unsharded and reduce once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+@distributed([2, 3])
+def test_activation_checkpointing_inside_blocks():
+    _, rank, n = world()
+    torch.manual_seed(0)
+    model = Checkpointed()
+    ref = _deep()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+    for step in range(4):
+        x, y = batch("mlp", step, n * PER_RANK)
+        with CommDebugMode() as mode:
+            F.cross_entropy(model(mine(x, rank)), mine(y, rank)).backward()
+        counts = mode.get_comm_counts()  # the recompute gathers nothing more
+        assert counts["all_gather"] == 1 + 2 * len(model.blocks) and counts["reduce_scatter"] == 6, dict(counts)
+        F.cross_entropy(ref(x), y).backward()
+        assert_grads_close(model, ref, atol=1e-6, rtol=1e-4, what=f"step {step}")
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_full_params_close(model, ref, atol=2e-5, rtol=1e-4, what="checkpointed")
+
+
+@distributed([2])
+def test_register_fsdp_forward_method():
+    from plait.fsdp import register_fsdp_forward_method
+
+    _, rank, n = world()
+    model, ref = build("mlp"), build("mlp")
+    for m in (model, ref):
+        m.score = lambda x, m=m: m.head(m.inp(x) @ torch.ones(13, 13) / 13)  # a method besides forward
+    fully_shard(model, reshard_after_forward=True)
+    register_fsdp_forward_method(model, "score")
+    x = torch.randn(4, 7)
+    torch.testing.assert_close(model.score(x), ref.score(x))
+    assert isinstance(model.inp.weight, DTensor)  # the post-forward hook ran: resharded
+    with pytest.raises(ValueError, match="not an FSDPModule"):
+        register_fsdp_forward_method(nn.Linear(2, 2), "forward")
