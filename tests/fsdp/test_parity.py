@@ -66,3 +66,17 @@ def test_equals_plait_ddp():
             opt.step()
             opt.zero_grad()
     assert_full_params_close(fsdp, plain, atol=2e-5, rtol=1e-4, what="fully_shard vs DDP")
+
+
+@distributed([2])
+def test_original_parameters_are_freed():
+    """After fully_shard only the shards hold parameter memory: nothing keeps the original
+    nn.Parameters (or their storage) alive."""
+    import gc
+    import weakref
+
+    model = build("mlp")
+    originals = [weakref.ref(p) for p in model.parameters()]
+    shard(model)
+    gc.collect()
+    assert all(ref() is None for ref in originals)
