@@ -119,3 +119,29 @@ def test_shard_placement_fn_shard_dim_1():
         assert p._local_tensor.size(dim) == chunk_sizes(p.size(dim), n)[rank], name  # 7, 13, 11 uneven
     train_parity("mlp", model, ref, steps=10)
     assert_full_params_close(model, ref, atol=2e-5, rtol=1e-4, what="Shard(1) after 10 steps")
+
+
+@distributed([2, 3])
+def test_bf16_gradient_accumulation_keeps_reduce_dtype():
+    """Without gradient sync, unsharded bfloat16 gradients accumulate in reduce_dtype
+    (float32) between micro-steps, as torch documents; the reference adds each rank's
+    micro-step gradients in float32 in the same order (rank by rank, then over ranks)."""
+    _, rank, n = world()
+    mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    model, ref = shard(build("mlp"), mp_policy=mp), build("mlp")
+    micro = 3
+    per_rank = [{name: torch.zeros_like(p) for name, p in ref.named_parameters()} for _ in range(n)]
+    for k in range(micro):
+        model.set_requires_gradient_sync(k == micro - 1)
+        x, y = batch("mlp", k, n * PER_RANK)
+        F.cross_entropy(model(mine(x, rank)), mine(y, rank)).backward()
+        for r in range(n):
+            _reference_bf16_step(ref, mine(x, r), mine(y, r), 1)
+            for name, p in ref.named_parameters():
+                per_rank[r][name] += p.grad
+                p.grad = None
+    theirs = {name: sum(per_rank[r][name] for r in range(n)) / n for name in per_rank[0]}
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad.full_tensor(), theirs[name], atol=1e-6, rtol=1e-5,
+                                   msg=lambda m, name=name: f"accumulated gradient of {name}: {m}")
