@@ -250,3 +250,18 @@ def test_register_fsdp_forward_method():
     assert isinstance(model.inp.weight, DTensor)  # the post-forward hook ran: resharded
     with pytest.raises(ValueError, match="not an FSDPModule"):
         register_fsdp_forward_method(nn.Linear(2, 2), "forward")
+
+
+@distributed([2])
+def test_two_forwards_before_one_backward():
+    """Each forward's backward reaches a block through that forward's output hook, which
+    gathers the group again if the other forward's backward already resharded it; the
+    two reduce-scatters add up in the sharded .grad."""
+    _, rank, n = world()
+    model, ref = shard(build("mlp")), build("mlp")
+    (x, y), (x2, y2) = batch("mlp", 0, n * PER_RANK), batch("mlp", 1, n * PER_RANK)
+    loss = F.cross_entropy(model(mine(x, rank)), mine(y, rank)) + F.cross_entropy(model(mine(x2, rank)), mine(y2, rank))
+    loss.backward()
+    (F.cross_entropy(ref(x), y) + F.cross_entropy(ref(x2), y2)).backward()
+    assert_grads_close(model, ref, atol=1e-6, rtol=1e-4, what="two forwards, one backward")
+    assert all(isinstance(p, DTensor) for p in model.parameters())
