@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from plait import comm
 
 from .backward import WeightGradState, backward_input, backward_weight, full_backward
+from .data_parallel import grad_sync_for
 from .meta import TensorMeta, check_same
 from .schedules import loop_stage_to_rank
 
@@ -58,8 +59,10 @@ class PipelineStage:
     inferred at the first step without them; when given, the inferred shapes are checked
     against them. `group`: the pipeline's process group (default: the world), whose ranks
     the schedule maps stages onto; keyword-only, because torch's 7th and 8th positional
-    arguments are `output_grads` and `input_grads` (DTensor metadata, not needed here). `device`: where receive buffers are allocated (the
-    submodule is not moved).
+    arguments are `output_grads` and `input_grads` (DTensor metadata, not needed here).
+    `device`: where receive buffers are allocated (the submodule is not moved). The
+    submodule may be data parallel (plait's DDP or `replicate` on a dp axis): its grads are
+    then averaged over its group once per step, after the stage's last microbatch.
     """
 
     def __init__(
@@ -85,6 +88,9 @@ class PipelineStage:
         # The schedule replaces this with its own placement (V style for ZBV).
         self.stage_index_to_group_rank = loop_stage_to_rank(self.group_size, num_stages)
         self.has_backward = True
+        # A data-parallel submodule (DDP, replicate) reduces its grads once per step, after
+        # this stage's last backward (see data_parallel.py); None: nothing to reduce.
+        self.grad_sync = grad_sync_for(submodule)
         self._user_inputs_meta = _metas(input_args)
         self._user_outputs_meta = _metas(output_args)
         self.inputs_meta: tuple[TensorMeta, ...] | None = None
