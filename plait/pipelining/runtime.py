@@ -197,7 +197,7 @@ class PipelineRuntime:
             k += n
         step.sends = _reap(step.sends)
 
-    def _wait(self, step: _Step, recv: Action) -> None:
+    def _wait(self, step: _Step, recv: tuple) -> None:
         for handle in step.recvs.pop(recv, ()):
             handle.wait()
 
@@ -206,7 +206,7 @@ class PipelineRuntime:
         stage = self.stages[s]
         start = time.perf_counter()
         if kind is _F:
-            self._wait(step, Action(s, _RECV_F, mb))
+            self._wait(step, (s, _RECV_F, mb))  # a plain tuple finds the Action key
             args = step.arg_mbs[mb] if stage.is_first else ()
             output = stage.forward_one_chunk(mb, args, step.kwarg_mbs[mb])
             if stage.is_last and step.loss_fn is not None and step.target_mbs is not None:
@@ -215,7 +215,7 @@ class PipelineRuntime:
             elif s + 1 in self.stages:
                 self.stages[s + 1].set_local_input(mb, stage.take_outputs(mb))
         elif kind is _B or kind is _I:
-            self._wait(step, Action(s, _RECV_B, mb))
+            self._wait(step, (s, _RECV_B, mb))
             loss = None
             if stage.is_last:
                 loss = step.losses[mb]

@@ -203,19 +203,23 @@ class PipelineStage:
             inputs = tuple(leaves)
         with torch.set_grad_enabled(self.has_backward):
             output = self.submod(*inputs, **kwargs)
-        outputs = _as_tuple(output, self.stage_index) if not self.is_last else ()
-        self._check_outputs(mb, outputs if not self.is_last else _last_tensors(output))
-        if self.is_last:
-            self.output_chunks[mb] = tree_map(
-                lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output
+        last = self.is_last
+        outputs = _as_tuple(output, self.stage_index) if not last else ()
+        if not last or self.outputs_meta is None:  # the last stage's are recorded once
+            self._check_outputs(mb, outputs if not last else _last_tensors(output))
+        if last:
+            self.output_chunks[mb] = (
+                output.detach()
+                if isinstance(output, torch.Tensor)
+                else tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
             )
         else:
             self._to_send[mb] = tuple(t.detach() for t in outputs)
         if self.has_backward:
             user = [
                 t
-                for t in tree_flatten((args if self.is_first else (), kwargs))[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
+                for t in _tensors(args if self.is_first else ()) + _tensors(kwargs)
+                if t.requires_grad
             ]
             self._fwd[mb] = (leaves, user, outputs)
         return output
@@ -298,6 +302,15 @@ class PipelineStage:
 
 
 full_backward_fn = full_backward  # the method argument `full_backward` shadows the function
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors in `values` (a pytree); fast for the usual flat tuple or empty dict."""
+    if not values:
+        return []
+    if isinstance(values, tuple) and all(isinstance(t, torch.Tensor) for t in values):
+        return list(values)
+    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _last_tensors(output: Any) -> tuple[torch.Tensor, ...]:
