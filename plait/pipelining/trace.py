@@ -20,9 +20,10 @@ parameters), `END` after the last one. Stage s takes, as positional inputs, ever
 before it that stage s or a later one reads (a skip connection passes through the stages in
 between), and returns what the next stage takes; stage 0 takes the model's own tensor
 arguments, by name. Non-tensor arguments (and those left at their defaults) are fixed at
-trace time, as torch.export specialises them. Parameters are read where they are used; one
-used by two stages (tied weights, a module called on both sides of a cut) is refused: it
-would need its two stages' grads summed, which this split does not do.
+trace time, as torch.export specialises them. Parameters are read where they are used; a
+trained one used by two stages (tied weights, a module called on both sides of a cut) is
+refused: it would need its two stages' grads summed, which this split does not do. Buffers
+and frozen parameters read by several stages (a RoPE table) are simply shared.
 """
 
 from __future__ import annotations
@@ -304,8 +305,11 @@ def _stage_graph(s: int, nodes: list[fx.Node], stage_of: dict, live_in: list) ->
 def _refuse_shared(stages: list[fx.GraphModule], gm: fx.GraphModule) -> None:
     owner: dict[int, tuple[int, str]] = {}
     for s, stage in enumerate(stages):
-        named = list(stage.named_parameters()) + list(stage.named_buffers())
-        for fqn, t in named:
+        # Buffers and frozen parameters may be read by several stages (RoPE tables): each
+        # stage keeps a reference, and with no grad there is nothing to sum.
+        for fqn, t in stage.named_parameters():
+            if not t.requires_grad:
+                continue
             if id(t) in owner and owner[id(t)][0] != s:
                 first, other = owner[id(t)]
                 raise TraceError(

@@ -172,6 +172,29 @@ def test_tied_weights_across_a_split_are_refused_by_name():
     assert pipe.num_stages == 1
 
 
+class SharedBuffer(nn.Module):
+    """A table every layer reads, as a Llama's RoPE frequencies: no grad, so it is shared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0, 1, 4))
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * self.table
+        return x
+
+
+def test_a_buffer_read_by_every_stage_is_shared():
+    model, x = SharedBuffer(), torch.randn(3, 4)
+    pipe = pipeline(model, (x,), split_spec={"layers.1": BEGIN})
+    _same(_chain(pipe, x), model(x))
+    for s in range(2):
+        assert pipe.get_stage_module(s).get_buffer("table") is model.table
+        assert "table" in pipe.get_stage_module(s).state_dict()
+
+
 class CalledTwice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
