@@ -8,10 +8,12 @@
 The spine. Only the forwards that contain a split point are traced: the root's, and those of
 the modules on the path to a split point (`layers` for `layers.4.attn`). Every other module
 call stays one `call_module` node and runs the module's eager forward unchanged, so a stage
-computes exactly what the model does (bit for bit; tests compare), tracing is cheap (the
-tutorial's decoder: 14 nodes in ~20 ms, where torch.export takes ~9 s for 675 aten nodes),
-and the graph's module targets are the model's fqns, so a stage's state dict has the
-model's keys. A module call whose example output was a tuple or dict returns one proxy per
+computes exactly what the model does (bit for bit; tests compare), tracing is cheap, and
+the graph's module targets are the model's fqns, so a stage's state dict has the model's
+keys. Why fx on the spine, not torch.export as torch's pipeline() does: on the tutorial's
+decoder this traces 14 nodes in ~20 ms, where torch.export took ~9 s for 675 aten nodes
+(both on a loaded 2-core machine), runs the decomposed ops instead of the modules, and needs
+an unflatten pass to get the fqns back. A module call whose example output was a tuple or dict returns one proxy per
 entry, so `a, b = self.fork(x)` and `self.join(*self.fork(x))` trace.
 
 Cut and live values. Nodes are in execution order; a `SplitPoint.BEGINNING` at fqn F cuts
@@ -37,7 +39,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten
 
 _MANUAL = "split the model by hand instead (split_model, or build each stage's module yourself)"
 
@@ -268,7 +269,7 @@ def build_stages(
         fx.GraphModule(gm, _stage_graph(s, nodes, stage_of, live_in), class_name=f"Stage{s}")
         for s in range(n_stages)
     ]
-    _refuse_shared(stages, gm)
+    _refuse_shared(stages)
     return stages
 
 
@@ -302,7 +303,7 @@ def _stage_graph(s: int, nodes: list[fx.Node], stage_of: dict, live_in: list) ->
     return graph
 
 
-def _refuse_shared(stages: list[fx.GraphModule], gm: fx.GraphModule) -> None:
+def _refuse_shared(stages: list[fx.GraphModule]) -> None:
     owner: dict[int, tuple[int, str]] = {}
     for s, stage in enumerate(stages):
         # Buffers and frozen parameters may be read by several stages (RoPE tables): each
@@ -321,6 +322,3 @@ def _refuse_shared(stages: list[fx.GraphModule], gm: fx.GraphModule) -> None:
                 )
             owner.setdefault(id(t), (s, fqn))
 
-
-def flat_tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
