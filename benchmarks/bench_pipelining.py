@@ -13,6 +13,12 @@ modules, the same split and the same schedule, 8 microbatches, world sizes 2 and
    with `simulate(schedule, Costs(1, 2, 1))`. The batch requires grad, so the first stage's
    backward splits into I and W like every other (plait splits it; torch always runs the
    first stage's whole backward at W, one reason its ZB bubbles differ).
+3. Per-action overhead: one rank, one stage (a 4x4 linear), 1F1B over 8 microbatches; the
+   step's CPU time (thread_time, so other jobs on the machine count less) minus that of the
+   same forwards and backwards in a plain loop, per compute action, in microseconds.
+4. PP x DDP: 4 ranks as (pp=2, dp=2), 1F1B, every stage's module DDP on its dp group
+   (plait.ddp with plait.pipelining, torch's DDP with torch's pipelining), each replica
+   half the batch; slowest rank's step time.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ SCHEDULES = {  # name -> (stages per rank, placement style)
     "LoopedBFS": (2, "loop"),
     "InterleavedZeroBubble": (2, "loop"),
     "ZBVZeroBubble": (2, "v"),
+    "DualPipeV": (2, "v"),  # needs m >= 2p: 8 microbatches on up to 4 ranks
 }
 
 
@@ -259,6 +266,79 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
     return rows
 
 
+def _action_overhead(reps: int, m: int = MICROBATCHES) -> tuple[float, float]:
+    """(plait, torch) CPU µs per compute action beyond the compute itself (see the note)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+    runs = {}
+    for name, impl in (("plait", pp), ("torch", tpp)):
+        stage = impl.PipelineStage(nn.Linear(4, 4), 0, 1, torch.device("cpu"), group=None)
+        schedule = impl.Schedule1F1B(stage, m, loss_fn=F.mse_loss)
+        runs[name] = lambda schedule=schedule: schedule.step(x, target=y)
+    bare_module = nn.Linear(4, 4)
+
+    def bare() -> None:
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            F.mse_loss(bare_module(xm), ym).backward()
+
+    runs["bare"] = bare
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for rep in range(reps + 5):
+        for key, fn in runs.items():
+            start = time.thread_time()
+            fn()
+            if rep >= 5:
+                times[key].append(time.thread_time() - start)
+    med = {k: median(v) for k, v in times.items()}
+    return tuple((med[k] - med["bare"]) / (2 * m) * 1e6 for k in ("plait", "torch"))
+
+
+def _pp_ddp_times(reps: int) -> tuple[float, float]:
+    """(plait, torch) slowest-rank step time of 1F1B x DDP on (pp=2, dp=2)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from plait.ddp import DistributedDataParallel
+    from plait.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch_pp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    torch_dp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    pp_rank, dp_rank = rank // 2, rank % 2
+    torch.manual_seed(0)
+    model = Transformer()
+    module = pp.split_model(model, pp.split_evenly(model, 2), pp_rank)[0]
+    ours = pp.Schedule1F1B(
+        pp.PipelineStage(
+            DistributedDataParallel(module, process_group=mesh["dp"].get_group()),
+            pp_rank, 2, "cpu", group=mesh["pp"].get_group(),
+        ),
+        MICROBATCHES,
+        loss_fn=lm_loss,
+    )
+    theirs = tpp.Schedule1F1B(
+        tpp.PipelineStage(
+            TorchDDP(copy.deepcopy(module), process_group=torch_dp),
+            pp_rank, 2, torch.device("cpu"), group=torch_pp,
+        ),
+        MICROBATCHES,
+        loss_fn=lm_loss,
+    )
+    tokens = torch.randint(0, 256, (4 * MICROBATCHES, 32))[dp_rank::2]
+    y = torch.roll(tokens, -1, dims=1)
+    t = {"plait": [], "torch": []}
+    for rep in range(reps + 1):
+        for impl, schedule in (("plait", ours), ("torch", theirs)):
+            dist.barrier()
+            start = time.perf_counter()
+            _run_step(schedule, [pp_rank], 2, tokens, y)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if rep:
+                t[impl].append(elapsed.item())
+    return median(t["plait"]), median(t["torch"])
+
+
 def run(quick: bool) -> None:
     names = list(SCHEDULES)
     reps = 3 if quick else 5
@@ -291,6 +371,12 @@ def run(quick: bool) -> None:
                     f"{theirs:.1%}",
                 )
             )
+    overhead = run_distributed(_action_overhead, 100 if quick else 300, world_size=1)[0]
+    pp_ddp = run_distributed(_pp_ddp_times, reps, world_size=4, timeout=1800)[0]
+    time_rows.append(
+        (4, "1F1B x DDP (pp=2, dp=2)", 2, f"{pp_ddp[0] * 1e3:.1f}", f"{pp_ddp[1] * 1e3:.1f}",
+         ratio(*pp_ddp))
+    )
     print_table(
         f"pipeline step time, plait vs torch.distributed.pipelining (Gloo, {MICROBATCHES} "
         f"microbatches, 8-layer transformer dim 64, median of {reps})",
@@ -313,7 +399,9 @@ def run(quick: bool) -> None:
             "torch",
         ),
         bubble_rows,
-        notes="simulated: plait.pipelining.simulate with Costs(F=1, B=2, W=1), transfers free; "
+        notes=f"runtime overhead per compute action (1 rank, 1F1B, CPU time beyond the "
+        f"compute): plait {overhead[0]:.1f} µs, torch {overhead[1]:.1f} µs. "
+        "simulated: plait.pipelining.simulate with Costs(F=1, B=2, W=1), transfers free; "
         "'with p2p latency': the same with Costs.comm = plait.comm's one-way p2p time measured "
         "in the same run (in brackets). Measured: 1 - sum of sleeps / (p * window), over all "
         "ranks' logged sleeps.",

@@ -6,6 +6,8 @@
               run of SEND/RECV -> one comm.batch_isend_irecv; receives kept by (stage, kind, mb)
               F | B | I | W    -> wait for the receive it reads, then compute on the stage
           wait for every send
+    data-parallel stages (DDP / replicate submodule): sync off at the start; after a stage's
+          m-th B|W one async all-reduce of its grads; waited here, before scale_grads
 
 This relies on the lowering contract (`schedules/lowering.py`): sends come right after their
 producer, receives before their consumer, in the same order on both ends of each rank pair.
@@ -76,6 +78,7 @@ class _Step:
     recvs: dict[Action, list[comm.Handle]] = field(default_factory=dict)
     sends: list[comm.Handle] = field(default_factory=list)
     skip: set[Action] = field(default_factory=set)
+    weight_grads: dict[int, int] = field(default_factory=dict)  # stage -> B|W done this step
 
 
 class PipelineRuntime:
@@ -116,6 +119,9 @@ class PipelineRuntime:
             stage.has_backward = has_backward
         step = _Step(arg_mbs, kwarg_mbs, target_mbs, loss_fn)
         self.timeline = []
+        syncing = [s for s in self.stages.values() if has_backward and s.grad_sync is not None]
+        for stage in syncing:
+            stage.grad_sync.begin_step()
         if not self._shapes_known:
             self._infer_shapes(step)
             self._shapes_known = True
@@ -133,6 +139,8 @@ class PipelineRuntime:
             i += 1  # bookkeeping (UNSHARD, RESHARD, REDUCE_GRAD from torch CSVs) does nothing
         for handle in step.sends:
             handle.wait()
+        for stage in syncing:
+            stage.grad_sync.end_step()  # grads averaged over data parallel; then scale_grads
         assert not step.recvs, (
             f"rank {self.rank}: receives never consumed: {sorted(map(str, step.recvs))}"
         )
@@ -189,7 +197,7 @@ class PipelineRuntime:
             k += n
         step.sends = _reap(step.sends)
 
-    def _wait(self, step: _Step, recv: Action) -> None:
+    def _wait(self, step: _Step, recv: tuple) -> None:
         for handle in step.recvs.pop(recv, ()):
             handle.wait()
 
@@ -198,7 +206,7 @@ class PipelineRuntime:
         stage = self.stages[s]
         start = time.perf_counter()
         if kind is _F:
-            self._wait(step, Action(s, _RECV_F, mb))
+            self._wait(step, (s, _RECV_F, mb))  # a plain tuple finds the Action key
             args = step.arg_mbs[mb] if stage.is_first else ()
             output = stage.forward_one_chunk(mb, args, step.kwarg_mbs[mb])
             if stage.is_last and step.loss_fn is not None and step.target_mbs is not None:
@@ -207,7 +215,7 @@ class PipelineRuntime:
             elif s + 1 in self.stages:
                 self.stages[s + 1].set_local_input(mb, stage.take_outputs(mb))
         elif kind is _B or kind is _I:
-            self._wait(step, Action(s, _RECV_B, mb))
+            self._wait(step, (s, _RECV_B, mb))
             loss = None
             if stage.is_last:
                 loss = step.losses[mb]
@@ -217,6 +225,10 @@ class PipelineRuntime:
                 self.stages[s - 1].set_local_grads(mb, stage.take_input_grads(mb))
         elif kind is _W:
             stage.backward_weight_one_chunk(mb)
+        if kind is _B or kind is _W:  # each microbatch's weight grads come from its B or W
+            done = step.weight_grads[s] = step.weight_grads.get(s, 0) + 1
+            if done == self.schedule.num_microbatches and stage.grad_sync is not None:
+                stage.grad_sync.last_backward()  # one reduction per step, launched now
         self.timeline.append((a, start, time.perf_counter()))
 
 

@@ -6,7 +6,7 @@
 
 Every class, built-in or custom (`PipelineScheduleRuntime` with action lists or a CSV), runs
 on the same runtime; they differ only in the `Schedule` they pass it. The rank's stages must
-be the ones the schedule places on it (stage s on rank s % p, V style for ZBV), else an
+be the ones the schedule places on it (stage s on rank s % p, V style for ZBV and DualPipeV), else an
 error says which stages were expected.
 """
 
@@ -310,6 +310,56 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
         if len(stages) != 2:
             raise ValueError(
                 f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, got {len(stages)}"
+            )
+        super().__init__(
+            stages,
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            backward_requires_autograd,
+        )
+
+
+class ScheduleDualPipeV(PipelineScheduleMulti):
+    """DualPipeV: two stages per rank (V placement), forward of one microbatch paired with the
+    backward of another, split backward in warm-up and cool-down. Needs m >= 2p.
+
+    `pipeline_order` lists each of torch's OVERLAP_F_B pairs as its two actions, F then B
+    (torch's runtime runs them in that order too; see `schedules/dualpipev.py`).
+    `defer_pp_recv`: torch's option to post receives late; plait posts them early and waits
+    only at the consumer, and has no deferred mode, so True is refused."""
+
+    _name = "DualPipeV"
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable | None = None,
+        args_chunk_spec: tuple | None = None,
+        kwargs_chunk_spec: dict | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+    ) -> None:
+        if len(stages) != 2:
+            raise ValueError(
+                f"ScheduleDualPipeV needs exactly 2 stages per rank, got {len(stages)}"
+            )
+        if defer_pp_recv:
+            raise ValueError(
+                "ScheduleDualPipeV(defer_pp_recv=True) is not supported: plait posts each "
+                "receive early and waits for it only at the action that reads it"
+            )
+        num_stages = stages[0].num_stages
+        if n_microbatches < num_stages:
+            raise ValueError(
+                f"DualPipeV needs at least as many microbatches as stages: n_microbatches("
+                f"{n_microbatches}) < num_stages({num_stages})"
             )
         super().__init__(
             stages,

@@ -1,25 +1,25 @@
-"""Split one model into pipeline stages by module name (fqn): `pipeline()` and `split_model()`.
+"""Split one model into pipeline stages: traced (`pipeline()`) or by module name (`split_model()`).
 
-    model -> units (top-level children, containers expanded: "embed", "layers.0", ..., "head")
-          -> stages (consecutive units) -> StageModule per stage (units run in order, fqns kept)
+    pipeline():    model --trace the spine, cut at split points (trace.py)--> GraphModule per stage
+    split_model(): model -> units (top-level children, containers expanded: "embed",
+                   "layers.0", ..., "head") -> consecutive units per stage -> StageModule
 
-What this split can represent, honestly: a model whose forward runs its units one after the
-other, each taking the previous one's output (a tuple is unpacked into arguments). torch's
-`pipeline()` traces the forward with torch.export and can split any traceable graph; this one
-does not trace. Instead `pipeline()` runs the chain of units on the example microbatch and
-compares with the model's own forward: if they differ (functional ops between children, skip
-connections, kwargs), it raises instead of building a wrong pipeline.
+`pipeline()` follows torch's: trace, cut the graph at the split points, one module per
+stage; what the model computes between its children (skip connections, `layer(h, h)`,
+keyword arguments, functional ops) is in the graph, and the stage chain is checked against
+the model's own forward on the example before it is returned.
 
-A StageModule keeps the original fqns (`layers.4.attn.wq.weight`), so a stage's state dict
-reads like the model's. `split_model` is the manual, torchtitan-style split: the rank keeps
-the units of its own stages (any stages: interleaved and V schedules give a rank several,
-non-adjacent ones) and every unit is removed from the original model, so the memory of the
-other stages' parameters goes once the caller drops the model.
+Both keep the original fqns (`layers.4.self_attn.in_proj_weight`), so a stage's state dict
+reads like the model's and checkpoints load. `split_model` is the manual, torchtitan-style
+split: the rank keeps the units of its own stages (any stages: interleaved and V schedules
+give a rank several, non-adjacent ones) and every unit is removed from the original model,
+so the memory of the other stages' parameters goes once the caller drops the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from enum import Enum
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten
 
 from .stage import PipelineStage
+from .trace import TraceError, build_stages, cut, example_values, trace_model
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -150,20 +151,25 @@ class Pipe:
     """What `pipeline()` returns: the stage modules, and `build_stage` for this rank's.
 
     Like torch's Pipe it holds every stage (sharing the model's modules, not copies): keep
-    the stages this rank builds and drop the pipe and the model to free the others."""
+    the stages this rank builds and drop the pipe and the model to free the others.
+    `module_names_per_stage[s]`: the fqns of the modules stage s calls, in call order."""
 
-    def __init__(self, module: nn.Module, module_names_per_stage: list[list[str]]) -> None:
-        by_name = dict(units(module))
-        self.module_names_per_stage = module_names_per_stage
+    def __init__(self, stage_modules: Sequence[nn.Module]) -> None:
         self.split_gm = nn.Module()  # torch's attribute: children submod_0, submod_1, ...
-        for s, names in enumerate(module_names_per_stage):
-            self.split_gm.add_module(f"submod_{s}", StageModule([(n, by_name[n]) for n in names]))
+        for s, module in enumerate(stage_modules):
+            self.split_gm.add_module(f"submod_{s}", module)
+        self.module_names_per_stage = [
+            list(dict.fromkeys(n.target for n in m.graph.nodes if n.op == "call_module"))
+            if hasattr(m, "graph")
+            else list(m.fqns)
+            for m in stage_modules
+        ]
 
     @property
     def num_stages(self) -> int:
         return len(self.module_names_per_stage)
 
-    def get_stage_module(self, stage_idx: int) -> StageModule:
+    def get_stage_module(self, stage_idx: int) -> nn.Module:
         if not 0 <= stage_idx < self.num_stages:
             raise ValueError(f"stage_idx {stage_idx} is not in [0, {self.num_stages})")
         return self.split_gm.get_submodule(f"submod_{stage_idx}")
@@ -182,51 +188,66 @@ def pipeline(
     mb_kwargs: dict[str, Any] | None = None,
     split_spec: dict[str, SplitPoint] | None = None,
 ) -> Pipe:
-    """Cut `module` into stages at the units `split_spec` names (torch's function).
+    """Trace `module` on one example microbatch and cut it at `split_spec` (torch's function).
 
-    `{"layers.4": SplitPoint.BEGINNING}` starts a stage at `layers.4`; `SplitPoint.END` ends
-    one after the named unit. `mb_args` is an example microbatch: the chain of units is run
-    on it and must reproduce `module(*mb_args)` exactly (see the module note).
+    `{"layers.4": SplitPoint.BEGINNING}` starts a stage at the first use of `layers.4` (any
+    module fqn, nested ones too); `SplitPoint.END` ends one after its last use. See
+    `trace.py` for what crosses a cut. Stage 0 takes the model's tensor arguments by name
+    (`mb_args`, `mb_kwargs`); each later stage takes the previous one's outputs. A model the
+    tracer cannot follow raises a ValueError naming the line, pointing to `split_model`.
     """
-    if mb_kwargs:
-        raise ValueError(
-            f"pipeline(): keyword inputs {sorted(mb_kwargs)} cannot be routed by the sequential "
-            "split (only the first unit sees the inputs); use split_model and stage kwargs"
-        )
     mb_args = mb_args if isinstance(mb_args, tuple) else (mb_args,)
-    names = [fqn for fqn, _ in units(module)]
-    cuts = set()
-    for fqn, point in (split_spec or {}).items():
-        if fqn not in names:
-            raise ValueError(f"split_spec names {fqn!r}, which is not a unit; units: {names}")
+    mb_kwargs = dict(mb_kwargs or {})
+    spec = dict(split_spec or {})
+    modules = dict(module.named_modules())
+    for fqn, point in spec.items():
+        if fqn not in modules or fqn == "":
+            near = [n for n in modules if n and n.split(".")[0] == fqn.split(".")[0]][:8]
+            raise ValueError(
+                f"split_spec names {fqn!r}, which is not a submodule of "
+                f"{type(module).__name__}" + (f"; similar: {near}" if near else "")
+            )
         if not isinstance(point, SplitPoint):
             raise TypeError(f"split_spec[{fqn!r}] must be a SplitPoint, got {point!r}")
-        k = names.index(fqn) + (point is SplitPoint.END)
-        if 0 < k < len(names):
-            cuts.add(k)
-    bounds = [0, *sorted(cuts), len(names)]
-    per_stage = [names[a:b] for a, b in zip(bounds, bounds[1:])]
-    pipe = Pipe(module, per_stage)
-    _verify(module, pipe, mb_args)
+    with _untouched(module):
+        gm, inputs = trace_model(module, mb_args, mb_kwargs, list(spec))
+        values = example_values(gm, inputs)
+        stages = build_stages(gm, cut(gm, spec, values), values)
+    pipe = Pipe(stages)
+    _verify(module, pipe, mb_args, mb_kwargs)
     return pipe
 
 
-def _verify(module: nn.Module, pipe: Pipe, mb_args: tuple) -> None:
-    """Raise unless running the stages in order reproduces `module`'s forward on mb_args."""
+@contextmanager
+def _untouched(module: nn.Module):
+    """Forward may update buffers (BatchNorm) and draw random numbers: undo both."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     try:
-        with torch.no_grad():
-            with torch.random.fork_rng(devices=devices):
-                expected = module(*mb_args)
-            with torch.random.fork_rng(devices=devices):
-                got: Any = mb_args
-                for s in range(pipe.num_stages):
-                    got = pipe.get_stage_module(s)(*(got if isinstance(got, tuple) else (got,)))
+        with torch.random.fork_rng(devices=devices):
+            yield
     finally:
-        with torch.no_grad():  # forward may update buffers (BatchNorm): undo both runs
+        with torch.no_grad():
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
+
+
+def _verify(module: nn.Module, pipe: Pipe, mb_args: tuple, mb_kwargs: dict) -> None:
+    """Raise unless running the stages in order reproduces `module`'s forward exactly."""
+    with torch.no_grad():
+        with _untouched(module):
+            expected = module(*mb_args, **mb_kwargs)
+        with _untouched(module):
+            try:
+                got: Any = pipe.get_stage_module(0)(*mb_args, **mb_kwargs)
+                for s in range(1, pipe.num_stages):
+                    args = got if isinstance(got, tuple) else (got,)
+                    got = pipe.get_stage_module(s)(*args, **mb_kwargs)
+            except Exception as e:  # noqa: BLE001  (any failure means the split is wrong)
+                raise TraceError(
+                    f"pipeline(): the traced stages of {type(module).__name__} fail on mb_args "
+                    f"({type(e).__name__}: {e}); split the model by hand with split_model"
+                ) from e
     want, _ = tree_flatten(expected)
     have, _ = tree_flatten(got)
     same = len(want) == len(have) and all(
@@ -234,10 +255,9 @@ def _verify(module: nn.Module, pipe: Pipe, mb_args: tuple) -> None:
         for a, b in zip(want, have)
     )
     if not same:
-        names = [n for stage in pipe.module_names_per_stage for n in stage]
-        raise ValueError(
-            f"pipeline(): running {type(module).__name__}'s units {names} "
-            "in order does not reproduce its forward on mb_args, so this split (which does not "
-            "trace) would compute something else; make forward a chain of its children, or "
-            "split by hand with split_model"
+        raise TraceError(
+            f"pipeline(): the traced stages of {type(module).__name__} "
+            f"({pipe.module_names_per_stage}) do not reproduce its forward on mb_args (Python "
+            "side effects or state the trace cannot see?); split the model by hand with "
+            "split_model"
         )

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from plait import comm
 
 from .backward import WeightGradState, backward_input, backward_weight, full_backward
+from .data_parallel import grad_sync_for
 from .meta import TensorMeta, check_same
 from .schedules import loop_stage_to_rank
 
@@ -58,8 +59,10 @@ class PipelineStage:
     inferred at the first step without them; when given, the inferred shapes are checked
     against them. `group`: the pipeline's process group (default: the world), whose ranks
     the schedule maps stages onto; keyword-only, because torch's 7th and 8th positional
-    arguments are `output_grads` and `input_grads` (DTensor metadata, not needed here). `device`: where receive buffers are allocated (the
-    submodule is not moved).
+    arguments are `output_grads` and `input_grads` (DTensor metadata, not needed here).
+    `device`: where receive buffers are allocated (the submodule is not moved). The
+    submodule may be data parallel (plait's DDP or `replicate` on a dp axis): its grads are
+    then averaged over its group once per step, after the stage's last microbatch.
     """
 
     def __init__(
@@ -85,6 +88,9 @@ class PipelineStage:
         # The schedule replaces this with its own placement (V style for ZBV).
         self.stage_index_to_group_rank = loop_stage_to_rank(self.group_size, num_stages)
         self.has_backward = True
+        # A data-parallel submodule (DDP, replicate) reduces its grads once per step, after
+        # this stage's last backward (see data_parallel.py); None: nothing to reduce.
+        self.grad_sync = grad_sync_for(submodule)
         self._user_inputs_meta = _metas(input_args)
         self._user_outputs_meta = _metas(output_args)
         self.inputs_meta: tuple[TensorMeta, ...] | None = None
@@ -197,19 +203,23 @@ class PipelineStage:
             inputs = tuple(leaves)
         with torch.set_grad_enabled(self.has_backward):
             output = self.submod(*inputs, **kwargs)
-        outputs = _as_tuple(output, self.stage_index) if not self.is_last else ()
-        self._check_outputs(mb, outputs if not self.is_last else _last_tensors(output))
-        if self.is_last:
-            self.output_chunks[mb] = tree_map(
-                lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output
+        last = self.is_last
+        outputs = _as_tuple(output, self.stage_index) if not last else ()
+        if not last or self.outputs_meta is None:  # the last stage's are recorded once
+            self._check_outputs(mb, outputs if not last else _last_tensors(output))
+        if last:
+            self.output_chunks[mb] = (
+                output.detach()
+                if isinstance(output, torch.Tensor)
+                else tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
             )
         else:
             self._to_send[mb] = tuple(t.detach() for t in outputs)
         if self.has_backward:
             user = [
                 t
-                for t in tree_flatten((args if self.is_first else (), kwargs))[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
+                for t in _tensors(args if self.is_first else ()) + _tensors(kwargs)
+                if t.requires_grad
             ]
             self._fwd[mb] = (leaves, user, outputs)
         return output
@@ -292,6 +302,15 @@ class PipelineStage:
 
 
 full_backward_fn = full_backward  # the method argument `full_backward` shadows the function
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors in `values` (a pytree); fast for the usual flat tuple or empty dict."""
+    if not values:
+        return []
+    if isinstance(values, tuple) and all(isinstance(t, torch.Tensor) for t in values):
+        return list(values)
+    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _last_tensors(output: Any) -> tuple[torch.Tensor, ...]:

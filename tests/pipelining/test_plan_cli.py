@@ -77,3 +77,21 @@ def test_topics(capsys):
     assert plan_main([]) == 0
     assert "pipeline" in capsys.readouterr().out
     assert plan_main(["nope"]) == 2
+
+
+def test_dualpipev_plan_draws_every_action(tmp_path, capsys):
+    svg = tmp_path / "dualpipev.svg"
+    argv = ["plan", "pipeline", "--schedule", "DualPipeV", "--ranks", "4", "--microbatches", "8"]
+    assert plait_main([*argv, "--svg", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "schedule: DualPipeV, 4 ranks, 8 stages (2 per rank), 8 microbatches" in out
+    assert "check: OK" in out
+    assert "bubble: 5.88%" in out  # 12 idle units of 4 x 51 at F=1, I=W=1, B=2
+    # rank 0 pairs the forward of one microbatch with the backward of another on its
+    # other stage (torch's OVERLAP_F_B): 0F7 then 7B3
+    assert "0F7 7B3==== " in out
+    root = ET.parse(svg).getroot()
+    rects = [r for r in root.iter(f"{SVG}rect") if r.find(f"{SVG}title") is not None]
+    schedule = build_schedule("DualPipeV", 4, 8)
+    assert len(rects) == sum(len(a) for a in schedule.actions)  # one per compute action
+    assert any(a.kind.value == "I" for acts in schedule.actions for a in acts)

@@ -29,6 +29,7 @@ from plait import comm
 from plait.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -53,6 +54,7 @@ SCHEDULES = {
     "LoopedBFS": (ScheduleLoopedBFS, 2),
     "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, 2),
     "ZBVZeroBubble": (ScheduleZBVZeroBubble, 2),
+    "DualPipeV": (ScheduleDualPipeV, 2),  # needs m >= 2p: 8 microbatches on up to 4 ranks
 }
 
 

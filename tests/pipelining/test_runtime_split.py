@@ -1,7 +1,7 @@
 """Splitting a model into stages, and a batch into microbatches: no processes needed.
 
-pipeline() and split_model() cut by unit name and keep fqns; pipeline() refuses a model its
-sequential split would misrepresent; a batch that n_microbatches does not divide is an
+pipeline() and split_model() cut by module name and keep fqns (the traced constructs are in
+test_pipeline_trace.py); a batch that n_microbatches does not divide is an
 error naming both numbers.
 """
 
@@ -38,7 +38,7 @@ class Chain(nn.Module):
         return self.head(self.norm(x))
 
 
-class NotAChain(Chain):
+class Residual(Chain):
     def forward(self, x):
         h = self.embed(x)
         for layer in self.layers:
@@ -70,7 +70,8 @@ def test_pipeline_cuts_where_split_spec_says_and_keeps_fqns():
     assert sorted(stage1.state_dict()) == sorted(
         f"layers.{i}.0.{p}" for i in (1, 2, 3) for p in ("weight", "bias")
     )
-    assert stage1.layers["2"][0].weight is model.layers[2][0].weight  # shared, not copied
+    # shared, not copied
+    assert stage1.get_submodule("layers.2.0").weight is model.layers[2][0].weight
     model.eval()
     h = x
     for s in range(3):
@@ -89,16 +90,19 @@ def test_pipeline_leaves_buffers_and_rng_as_they_were():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_pipeline_refuses_a_forward_that_is_not_a_chain():
-    with pytest.raises(ValueError, match="does not reproduce its forward"):
-        pipeline(NotAChain(), (torch.randn(4, 3),), split_spec={"layers.2": SplitPoint.BEGINNING})
+def test_pipeline_traces_a_forward_that_is_not_a_chain():
+    """Residual adds between children: in the traced graph, so the split computes them."""
+    model, x = Residual().eval(), torch.randn(4, 3)
+    pipe = pipeline(model, (x,), split_spec={"layers.2": SplitPoint.BEGINNING})
+    h = pipe.get_stage_module(0)(x)
+    torch.testing.assert_close(pipe.get_stage_module(1)(h), model(x), rtol=0, atol=0)
 
 
 def test_pipeline_names_a_bad_split_spec():
-    with pytest.raises(ValueError, match="'layers.9', which is not a unit"):
+    with pytest.raises(ValueError, match="'layers.9', which is not a submodule of Chain"):
         pipeline(Chain(), (torch.randn(4, 3),), split_spec={"layers.9": SplitPoint.BEGINNING})
-    with pytest.raises(ValueError, match="keyword inputs"):
-        pipeline(Chain(), (torch.randn(4, 3),), {"mask": torch.ones(1)})
+    with pytest.raises(TypeError, match="must be a SplitPoint"):
+        pipeline(Chain(), (torch.randn(4, 3),), split_spec={"norm": "BEGINNING"})
 
 
 def test_split_model_keeps_only_the_requested_stages_and_empties_the_model():

@@ -1,7 +1,7 @@
 """Every built-in schedule passes the checker, before and after lowering.
 
-Sizes: p in 2..8 ranks, m in {p, 2p, 4p} microbatches, v = 2 stages per rank where the
-schedule interleaves.
+Sizes: p in 2..8 ranks, m in {p, 2p, 4p} microbatches (DualPipeV: 2p and 4p), v = 2 stages
+per rank where the schedule interleaves.
 """
 
 import re
@@ -17,7 +17,13 @@ from plait.pipelining.schedules import (
     lower,
 )
 
-CASES = [(name, p, m) for name in SCHEDULES for p in range(2, 9) for m in (p, 2 * p, 4 * p)]
+CASES = [
+    (name, p, m)
+    for name in SCHEDULES
+    for p in range(2, 9)
+    for m in (p, 2 * p, 4 * p)
+    if not (name == "DualPipeV" and m < 2 * p)  # it needs m >= 2p, as torch's does
+]
 
 
 def _cross_rank_pairs(schedule: Schedule) -> int:
@@ -99,3 +105,21 @@ def test_bad_arguments_are_user_errors(name, p, m, v, message):
 def test_names_are_case_insensitive():
     assert build_schedule("gpipe", 2, 2) == build_schedule("GPipe", 2, 2)
     assert build_schedule("zbvzerobubble", 2, 4).name == "ZBVZeroBubble"
+
+
+def test_dualpipev_refuses_fewer_microbatches_than_stages():
+    with pytest.raises(ValueError, match=r"num_microbatches\(5\) < 2 \* num_ranks\(3\) = 6"):
+        build_schedule("DualPipeV", 3, 5)
+
+
+def test_dualpipev_reads_torchs_overlapped_pairs():
+    """torch's OVERLAP_F_B cell is its two sub-actions, back to back, in a custom schedule."""
+    ours = build_schedule("DualPipeV", 2, 4)
+    rows = [[str(a) for a in acts] for acts in ours.actions]
+    # rank 0 runs F of microbatch 3 on stage 0 with B of microbatch 1 on stage 3 as one pair
+    i = rows[0].index("0F3")
+    assert rows[0][i + 1] == "3B1"
+    rows[0][i : i + 2] = ["(0F3;3B1)OVERLAP_F_B"]
+    assert Schedule.from_lists(rows, name="DualPipeV") == ours
+    with pytest.raises(ValueError, match="OVERLAP_F_B"):
+        Schedule.from_lists([["(0F0;0B0)OVERLAP"]])

@@ -37,15 +37,29 @@ def _torch_schedule(name: str, p: int, m: int, v: int):
     cls = torch_schedules.get_schedule_class(name)
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
         return cls(_StageStandIn(0, p, p), m)
-    style = "v" if name == "ZBVZeroBubble" else "loop"
+    style = "v" if name in V_STYLE else "loop"
     stages = generate_rank_to_stage_mapping(p, p * v, style)[0]
     return cls([_StageStandIn(s, p * v, p) for s in stages], m)
+
+
+V_STYLE = ("ZBVZeroBubble", "DualPipeV")
+
+
+def _flat(action) -> list:
+    """torch's OVERLAP_F_B as its sub-actions, in the order torch's runtime runs them."""
+    return list(action.sub_actions) if action.sub_actions is not None else [action]
 
 
 def _torch_compute_order(name: str, p: int, m: int, v: int) -> list[list[str]]:
     order = _torch_schedule(name, p, m, v).pipeline_order
     return [
-        [str(a) for a in order[r] if a is not None and a.computation_type.value in "FBIW"]
+        [
+            str(a)
+            for action in order[r]
+            if action is not None
+            for a in _flat(action)
+            if a.computation_type.value in "FBIW"
+        ]
         for r in range(p)
     ]
 
@@ -60,6 +74,16 @@ def test_single_stage_and_v_orders_equal_torchs(p, m):
     for name in ("GPipe", "ZBVZeroBubble"):
         v = 2 if name == "ZBVZeroBubble" else 1
         assert build_schedule(name, p, m).to_lists() == _torch_compute_order(name, p, m, v)
+
+
+@pytest.mark.parametrize("p, m", [(p, m) for p in range(2, 9) for m in (2 * p, 4 * p)])
+def test_dualpipev_order_equals_torchs(p, m):
+    torch_order = _torch_schedule("DualPipeV", p, m, 2).pipeline_order
+    overlapped = sum(a.sub_actions is not None for r in range(p) for a in torch_order[r])
+    assert overlapped > 0  # torch's pairs are in the list we flatten
+    assert build_schedule("DualPipeV", p, m).to_lists() == _torch_compute_order(
+        "DualPipeV", p, m, 2
+    )
 
 
 @pytest.mark.parametrize("name", MULTI)
@@ -82,20 +106,22 @@ def test_1f1b_equals_torchs_except_torchs_broken_last_rank(p, m):
         check(Schedule.from_lists(theirs, num_microbatches=m))
 
 
-@pytest.mark.parametrize("name", [*MULTI, "ZBVZeroBubble"])
+@pytest.mark.parametrize("name", [*MULTI, *V_STYLE])
 def test_torchs_lowering_passes_our_checker(name):
     for p, m in FEWER_SIZES:
+        m = max(m, 2 * p) if name == "DualPipeV" else m
         v = 2
         lowered = _torch_schedule(name, p, m, v).pipeline_order_with_comms
         schedule = Schedule.from_lists([[str(a) for a in lowered[r]] for r in range(p)])
         check(schedule, batch_comms=False)
 
 
-@pytest.mark.parametrize("name", [*MULTI, "ZBVZeroBubble"])
+@pytest.mark.parametrize("name", [*MULTI, *V_STYLE])
 def test_our_lowering_passes_torchs_simulator(name):
     for p, m in FEWER_SIZES:
+        m = max(m, 2 * p) if name == "DualPipeV" else m
         v = 2
-        style = "v" if name == "ZBVZeroBubble" else "loop"
+        style = "v" if name in V_STYLE else "loop"
         stage_to_rank = generate_stage_to_rank_mapping(p, p * v, style=style)
         ours = lower(build_schedule(name, p, m))
         assert ours.stage_to_rank == tuple(stage_to_rank[s] for s in range(p * v))

@@ -9,6 +9,7 @@ Everything here is pure Python: no processes, no tensors, no torch.distributed.
 from .actions import Action, ActionType
 from .checker import CheckReport, check, matching
 from .csv_io import load_csv, save_csv, schedule_from_csv, schedule_to_csv
+from .dualpipev import dualpipe_v
 from .generators import (
     SCHEDULES,
     build_schedule,
@@ -37,6 +38,7 @@ __all__ = [
     "bubble_formula",
     "build_schedule",
     "check",
+    "dualpipe_v",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_zero_bubble",

@@ -14,7 +14,9 @@ microbatch; communication kinds move that work's result between ranks; bookkeepi
               RECV_B s  stage s receives its output grad from stage s+1's rank
 
 An `Action` is an immutable, hashable named tuple; `str(a)` and `Action.parse(s)` are inverses and
-speak torch's format exactly (`"2I1"`, `"0SEND_F3"`, `"1REDUCE_GRAD"`).
+speak torch's format exactly (`"2I1"`, `"0SEND_F3"`, `"1REDUCE_GRAD"`). torch's OVERLAP_F_B
+(`"(0F3;1B1)OVERLAP_F_B"`, DualPipeV) is no kind here: `parse_actions` reads it as its two
+sub-actions back to back, which is how torch's runtime runs it.
 """
 
 from __future__ import annotations
@@ -128,6 +130,24 @@ class Action(_Fields):
         if self.kind in (ActionType.RECV_F, ActionType.SEND_B):
             return self.stage - 1
         raise ValueError(f"{self} is not a communication action")
+
+
+def parse_actions(text: str) -> list[Action]:
+    """One cell of torch's format as actions: `"1F0"` -> [1F0]; torch's overlapped pair
+    `"(0F3;1B1)OVERLAP_F_B"` -> [0F3, 1B1], its sub-actions in the order torch runs them."""
+    text = text.strip()
+    if text.startswith("("):
+        inner, sep, kind = text[1:].partition(")")
+        if not sep or kind != "OVERLAP_F_B":
+            raise ValueError(
+                f"cannot read action {text!r}: a parenthesised cell must be torch's "
+                "'(sub;sub)OVERLAP_F_B'"
+            )
+        subs = [Action.parse(t) for t in inner.split(";") if t.strip()]
+        if not subs or not all(a.is_compute for a in subs):
+            raise ValueError(f"{text!r}: OVERLAP_F_B holds compute actions only")
+        return subs
+    return [Action.parse(text)]
 
 
 def F(stage: int, microbatch: int) -> Action:

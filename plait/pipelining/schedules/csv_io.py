@@ -13,7 +13,7 @@ import csv
 import io
 from pathlib import Path
 
-from .actions import Action
+from .actions import parse_actions
 from .schedule import Schedule, ScheduleError
 
 
@@ -28,7 +28,7 @@ def schedule_from_csv(
             if not cell.strip():
                 continue
             try:
-                parsed.append(Action.parse(cell))
+                parsed += parse_actions(cell)
             except ValueError as e:
                 raise ScheduleError(f"row {r + 1}, column {c + 1}: {e}", rank=r) from None
         rows.append(parsed)

@@ -7,7 +7,7 @@ order lists forwards of microbatches that do not exist; here warm-up stops at th
 
 Stage placement: one stage per rank for GPipe and 1F1B; loop style (stage s on rank
 s % p) for the interleaved and looped schedules; V style for ZBV (rank r owns stages r
-and 2p-1-r).
+and 2p-1-r). DualPipeV, V style too, lives in `dualpipev.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .actions import Action, B, F, I, W
+from .dualpipev import dualpipe_v
 from .schedule import Schedule, loop_stage_to_rank, v_stage_to_rank
 
 
@@ -217,6 +218,7 @@ SCHEDULES: dict[str, tuple[Callable[..., Schedule], bool, int]] = {
     "LoopedBFS": (looped_bfs, True, 2),
     "InterleavedZeroBubble": (interleaved_zero_bubble, True, 2),
     "ZBVZeroBubble": (zbv_zero_bubble, False, 2),
+    "DualPipeV": (dualpipe_v, False, 2),
 }
 
 
@@ -224,7 +226,7 @@ def build_schedule(
     name: str, num_ranks: int, num_microbatches: int, *, stages_per_rank: int | None = None
 ) -> Schedule:
     """The built-in schedule `name` (case-insensitive, torch's names: "GPipe", "1F1B",
-    "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")."""
+    "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")."""
     by_lower = {k.lower(): k for k in SCHEDULES}
     if name.lower() not in by_lower:
         raise ValueError(f"unknown schedule {name!r}; choose from {list(SCHEDULES)}")

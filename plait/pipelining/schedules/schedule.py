@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .actions import Action
+from .actions import Action, parse_actions
 
 
 class ScheduleError(ValueError):
@@ -137,7 +137,8 @@ class Schedule:
     ) -> Schedule:
         """Build a schedule from per-rank lists of `Action`s or strings like `"1F0"`.
 
-        `None` and `""` (torch's idle placeholders) are dropped. Unless given, the stage
+        `None` and `""` (torch's idle placeholders) are dropped; torch's OVERLAP_F_B pair
+        (`"(0F3;1B1)OVERLAP_F_B"`) becomes its two sub-actions. Unless given, the stage
         mapping is read off the actions (the first rank to mention a stage owns it; the
         checker then flags any other rank touching it) and `num_microbatches` is the
         largest microbatch index plus one.
@@ -148,7 +149,10 @@ class Schedule:
             for a in rank_actions:
                 if a is None or (isinstance(a, str) and not a.strip()):
                     continue
-                row.append(a if isinstance(a, Action) else Action.parse(a))
+                if isinstance(a, Action):
+                    row.append(a)
+                else:
+                    row += parse_actions(a)
             parsed.append(tuple(row))
         if not parsed:
             raise ValueError("a schedule needs at least one rank")
