@@ -26,6 +26,13 @@ _EXPORTS = {
     "distribute_module": "plait.tensor",
     "DistributedDataParallel": "plait.ddp",
     "replicate": "plait.ddp",
+    "parallelize_module": "plait.tensor.parallel",
+    "ColwiseParallel": "plait.tensor.parallel",
+    "RowwiseParallel": "plait.tensor.parallel",
+    "SequenceParallel": "plait.tensor.parallel",
+    "PrepareModuleInput": "plait.tensor.parallel",
+    "PrepareModuleOutput": "plait.tensor.parallel",
+    "loss_parallel": "plait.tensor.parallel",
 }
 
 __all__ = sorted(_EXPORTS)
