@@ -4,6 +4,7 @@
     torch.manual_seed(0)
     model = Transformer(CONFIGS["tiny"]); model.init_weights()
     logits = model(tokens)                        # (b, s) -> (b, s, vocab)
+    parallelize_llama(model, mesh["tp"])          # or parallelize_module(model, mesh["tp"], tp_plan())
 
 FQNs follow torchtitan (`tok_embeddings`, `layers.{i}.attention.wq`, `layers.{i}.ffn_norm`,
 `norm`, `output`), so plans and checkpoints written for torchtitan's Llama apply.
@@ -11,5 +12,7 @@ FQNs follow torchtitan (`tok_embeddings`, `layers.{i}.attention.wq`, `layers.{i}
 
 from plait.models.llama.args import CONFIGS, ModelArgs
 from plait.models.llama.model import Attention, FeedForward, Transformer, TransformerBlock
+from plait.models.llama.parallelize import check_tp_degree, parallelize_llama, tp_plan
 
-__all__ = ["CONFIGS", "Attention", "FeedForward", "ModelArgs", "Transformer", "TransformerBlock"]
+__all__ = ["CONFIGS", "Attention", "FeedForward", "ModelArgs", "Transformer", "TransformerBlock",
+           "check_tp_degree", "parallelize_llama", "tp_plan"]
