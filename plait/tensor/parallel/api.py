@@ -81,11 +81,24 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> list[tupl
         hits = [(fqn, m) for fqn, m in named if fqn_matches(pattern, fqn)]
         if not hits:
             fqns = [fqn for fqn, _ in named if fqn]
-            close = difflib.get_close_matches(pattern, fqns, n=3, cutoff=0.4)
+            close = difflib.get_close_matches(pattern, _like(pattern, fqns), n=3, cutoff=0.4)
             hint = f"closest: {close}" if close else f"the module's submodules start {fqns[:5]}"
             raise ValueError(f"plan entry {pattern!r} matches no submodule of {type(module).__name__} ({hint})")
         out += [(fqn, m, style) for fqn, m in hits]
     return out
+
+
+def _like(pattern: str, fqns: list[str]) -> list[str]:
+    """The FQNs with the tokens a wildcard of `pattern` matches written as that wildcard
+    ("layers.3.w1" -> "layers.*.w1"), once each: what a misspelt pattern is compared to."""
+    tokens = pattern.split(".")
+    out: dict[str, None] = {}
+    for fqn in fqns:
+        parts = fqn.split(".")
+        if len(parts) == len(tokens):
+            parts = [t if any(c in t for c in "*?[") and fnmatchcase(p, t) else p for p, t in zip(parts, tokens)]
+        out[".".join(parts)] = None
+    return list(out)
 
 
 def fqn_matches(pattern: str, fqn: str) -> bool:

@@ -38,7 +38,7 @@ def to_dtensor(x: object, mesh: DeviceMesh, layout: Placement, *, what: str) -> 
         if len(x.placements) != 1 or not same_layout(x.placements[0], layout, x.ndim):
             raise ValueError(
                 f"{what} is a DTensor with placements {list(x.placements)}, but the plan declares "
-                f"its layout as {layout}; redistribute it first or declare the layout it has")
+                f"its layout as {layout!r}; redistribute it first or declare the layout it has")
         return x
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} is a {type(x).__name__}, not a torch.Tensor or DTensor")

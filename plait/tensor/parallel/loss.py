@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Iterator
 
 import torch
@@ -129,7 +130,8 @@ class _CrossEntropy(torch.autograd.Function):
         lo, vr = spec.local_offset[class_dim], spec.local_shape[class_dim]
         n_classes = spec.shape[class_dim]
         dtype = torch.promote_types(x.dtype, torch.float32)  # opmath: reduce in at least fp32
-        xl = x._local_tensor.to(dtype).movedim(class_dim, -1).reshape(-1, vr)  # (M, V_r)
+        samples = math.prod(want_shape(spec.shape, class_dim))
+        xl = x._local_tensor.to(dtype).movedim(class_dim, -1).reshape(samples, vr)  # (M, V_r)
         w_full = None if weight is None else weight.to(dtype)
         w_loc = None if weight is None else w_full[lo:lo + vr]
         if is_nll:
@@ -143,7 +145,7 @@ class _CrossEntropy(torch.autograd.Function):
             logp = xl - (m + sumexp.log())  # (M, V_r)
         wlogp = logp if w_loc is None else logp * w_loc
         if target.is_floating_point():
-            q = target.to(dtype).movedim(class_dim, -1).reshape(-1, n_classes)[:, lo:lo + vr]
+            q = target.to(dtype).movedim(class_dim, -1).reshape(samples, n_classes)[:, lo:lo + vr]
             q = q * (1 - eps) + eps / n_classes
             both = torch.stack([(wlogp * q).sum(-1), (q if w_loc is None else q * w_loc).sum(-1)], -1)
             comm.all_reduce(both, group=group)
