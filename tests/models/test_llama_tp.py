@@ -159,3 +159,87 @@ def test_heads_not_divisible_by_tp_are_refused_before_anything_is_sent():
     kv.layers["1"].attention.wv = torch.nn.Linear(64, 3 * 8, bias=False)
     with pytest.raises(ValueError, match=r"layers\.1\.attention has n_kv_heads = 3 .* degree 4"):
         parallelize_llama(kv, mesh)
+
+
+@distributed([4], timeout=300)
+@pytest.mark.parametrize("front", ["ddp", "replicate"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_data_parallel_over_tensor_parallel(front, sp):
+    """(dp 2, tp 2): each dp rank trains its half of the global batch of 4 sequences on
+    the tp-parallel model; gradients are all-reduced over dp on the local shards. The
+    mean of the two dp losses is the single process's loss on the whole batch (equal
+    halves). Tolerances as for fp32 parity above."""
+    from plait.ddp import DistributedDataParallel, replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    ref = build("tiny")
+    model = parallelize_llama(build("tiny", seed=dp_rank), mesh["tp"], sequence_parallel=sp)
+    if front == "ddp":
+        wrapper = DistributedDataParallel(model, device_mesh=mesh["dp"], bucket_cap_mb=0.05)
+        reducer = wrapper.reducer
+    else:
+        wrapper = replicate(model, device_mesh=mesh["dp"], bucket_cap_mb=0.05)
+        reducer = wrapper._replicate_state.reducer
+    assert len(reducer.buckets) >= 2
+    assert_params_match(model, ref, dict(FP32, bound=dict(atol=0, rtol=0), outliers=0), "after the dp broadcast")
+    got = train(model, batch=4, rows=slice(2 * dp_rank, 2 * dp_rank + 2), wrapper=wrapper)
+    want = train(ref, batch=4)
+    from plait import comm
+
+    dp_mean = got.clone()
+    comm.all_reduce(dp_mean, group=mesh["dp"].get_group(), op="avg")
+    torch.testing.assert_close(dp_mean, want, **FP32["loss"])
+    assert_params_match(model, ref, FP32, f"dp over tp, after {STEPS} steps")
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            assert p.grad is None or isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+
+
+COMPILE_FAILS = ("known failure: Dynamo's fake-tensor run of F.linear on the Replicate DTensor the "
+                 "region's PrepareModuleInput hands wq fails ('Cannot view a tensor with shape "
+                 "(2, 12, 64) and strides (64, 128, 1) as (24, 64)'); the same happens to "
+                 "tests/tensor/parallel/_block.py's TP+SP block (its TP block compiles, with 13 "
+                 "graph breaks at from_local/to_local and placement constants)")
+
+
+@pytest.mark.xfail(strict=True, reason=COMPILE_FAILS)
+@distributed([2], timeout=300)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_compiled_parallel_block_matches_eager(sp):
+    """torch.compile of one parallelized block gives the eager result, forward and
+    backward (tolerance 1e-5: the same ops, traced). Graph breaks are counted, not yet
+    held at 0: the style hooks convert with from_local/to_local, which run eagerly
+    (plait.tensor.dtensor's TODO(compile)); the count is bounded so it cannot grow.
+    Strict xfail: when compile works, this test fails until the mark is removed."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallelize_module(build("tiny"), mesh, tp_plan(sequence_parallel=sp))
+    block = model.layers["0"]
+    x = torch.randn(2, SEQ // 2 if sp else SEQ, 64, generator=torch.Generator().manual_seed(3))
+    eager_in = x.clone().requires_grad_()
+    eager = block(eager_in, model.rope_cache)
+    eager.pow(2).sum().backward()
+    eager_grads = [full(p.grad).clone() for p in block.parameters()]
+    block.zero_grad()
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter)
+    comp_in = x.clone().requires_grad_()
+    out = compiled(comp_in, model.rope_cache)
+    out.pow(2).sum().backward()
+    breaks = sum(counters["graph_break"].values())
+    print(f"compiled block ({'tp_sp' if sp else 'tp'}): {counter.frame_count} graphs, {breaks} graph breaks")
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(comp_in.grad, eager_in.grad, atol=1e-5, rtol=1e-5)
+    for p, want in zip(block.parameters(), eager_grads):
+        torch.testing.assert_close(full(p.grad), want, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count >= 1
+    assert breaks <= BREAK_BOUND, f"{breaks} graph breaks (bound {BREAK_BOUND})"
+
+
+BREAK_BOUND = 64
