@@ -130,4 +130,30 @@ class PrepareModuleOutput(ParallelStyle):
                 f"{self.desired_output_layouts}, use_local_output={self.use_local_output})")
 
 
-__all__ = ["PrepareModuleInput", "PrepareModuleOutput"]
+class PrepareModuleInputOutput(ParallelStyle):
+    """PrepareModuleInput and PrepareModuleOutput on one module (torch's style of that name);
+    `use_local_input` is the input side's use_local_output."""
+
+    def __init__(self, *, input_layouts: Layouts = None, desired_input_layouts: Layouts = None,
+                 input_kwarg_layouts: dict[str, Placement] | None = None,
+                 desired_input_kwarg_layouts: dict[str, Placement] | None = None, use_local_input: bool = False,
+                 output_layouts: Placement | Sequence[Placement | None],
+                 desired_output_layouts: Placement | Sequence[Placement], use_local_output: bool = True) -> None:
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input._apply(module, device_mesh)
+        self.prepare_module_output._apply(module, device_mesh)
+        return module
+
+    def __repr__(self) -> str:
+        return f"PrepareModuleInputOutput({self.prepare_module_input!r}, {self.prepare_module_output!r})"
+
+
+__all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput"]

@@ -147,7 +147,12 @@ class TinyLM(torch.nn.Module):
 def test_vocab_parallel_language_model_head(world_size):
     """The Llama pattern: embedding rowwise into Shard(1), a SequenceParallel norm, the
     output colwise kept as a Shard(-1) DTensor, and loss_parallel on it (vocab 11: uneven)."""
-    from plait.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    from plait.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
