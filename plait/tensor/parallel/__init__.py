@@ -18,7 +18,11 @@ resolution, checks before anything is applied), style.py, prepare.py, loss.py.
 
 from plait.tensor.parallel.api import parallelize_module
 from plait.tensor.parallel.loss import loss_parallel
-from plait.tensor.parallel.prepare import PrepareModuleInput, PrepareModuleOutput
+from plait.tensor.parallel.prepare import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+)
 from plait.tensor.parallel.style import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,6 +31,6 @@ from plait.tensor.parallel.style import (
 )
 
 __all__ = [
-    "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleOutput", "RowwiseParallel",
+    "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput", "RowwiseParallel",
     "SequenceParallel", "loss_parallel", "parallelize_module",
 ]

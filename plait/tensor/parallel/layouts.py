@@ -13,7 +13,7 @@ not describe the model, and the collectives it would silently add are the bug.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -52,6 +52,44 @@ def move(x: DTensor, layout: Placement, *, async_op: bool = False) -> DTensor:
     return x.redistribute(placements=(layout,), async_op=async_op)
 
 
+def boundary(mesh: DeviceMesh, layout: Placement, desired: Placement | None, *, use_local_output: bool,
+             what: str, async_op: bool = False, check_input: bool = True,
+             check_even: bool = True) -> Callable[[object], torch.Tensor]:
+    """One input's or output's conversion: to a DTensor laid out `layout` (checked, unless
+    not `check_input`: then a DTensor is taken from wherever it is), moved to `desired`
+    (None: left), then its local piece if `use_local_output` (an even one, if `check_even`).
+
+    The function is allowed in torch.compile graphs: Dynamo records the call as one node
+    (its only argument the tensor; mesh and placements are constants of the closure),
+    and AOTAutograd traces through it, collectives included, so a parallelized module
+    compiles without a graph break at each hook.
+    """
+    final = desired if desired is not None else layout
+
+    def convert(x):
+        if use_local_output and check_even and isinstance(x, DTensor):  # before anything is sent
+            p = Shard(final.dim % x.ndim) if isinstance(final, Shard) else final
+            check_local(x.shape, (p,), mesh, what=what)
+        if isinstance(x, DTensor) and not check_input:
+            dt = move(x, layout, async_op=async_op and not torch.compiler.is_compiling())
+        else:
+            dt = to_dtensor(x, mesh, layout, what=what)
+        if desired is not None:
+            dt = move(dt, desired, async_op=async_op and not torch.compiler.is_compiling())
+        return dt.to_local() if use_local_output else dt
+
+    return torch._dynamo.allow_in_graph(convert)
+
+
+def local_output(*, what: str) -> Callable[[DTensor], torch.Tensor]:
+    """A DTensor's (even) local piece, as a function allowed in compiled graphs (see boundary)."""
+    def convert(x: DTensor) -> torch.Tensor:
+        check_local(x.shape, x.placements, x.device_mesh, what=what)
+        return x.to_local()
+
+    return torch._dynamo.allow_in_graph(convert)
+
+
 def check_local(shape: Sequence[int], placements: Sequence[Placement], mesh: DeviceMesh, *, what: str) -> None:
     """Refuse to hand out the local piece of an uneven Shard: the next style's from_local
     would take the pieces as even, and the ranks would disagree on the global shape."""
@@ -77,4 +115,4 @@ def as_tuple(layouts: Placement | Sequence[Placement | None] | None, what: str) 
     return layouts
 
 
-__all__ = ["as_tuple", "check_local", "move", "same_layout", "to_dtensor"]
+__all__ = ["as_tuple", "boundary", "check_local", "local_output", "move", "same_layout", "to_dtensor"]

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from plait.device_mesh import DeviceMesh
-from plait.tensor.parallel.layouts import as_tuple, move, to_dtensor
+from plait.tensor.parallel.layouts import as_tuple, boundary
 from plait.tensor.parallel.style import ParallelStyle
 from plait.tensor.placement import Placement
 
@@ -54,39 +54,35 @@ class PrepareModuleInput(ParallelStyle):
                              f"but desired_input_kwarg_layouts names {sorted(self.desired_input_kwarg_layouts)}; "
                              "name the same kwargs in both")
 
-    def _prepare_arg(self, x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, what: str):
+    def _converter(self, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, what: str):
         if layout is None:
-            return x
-        dt = to_dtensor(x, mesh, layout, what=what)
-        if desired is not None:
-            dt = move(dt, desired)
-        return dt.to_local() if self.use_local_output else dt
-
-    def _prepare_inputs(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        if self.input_layouts is None:
-            return inputs
-        if len(inputs) != len(self.input_layouts):
-            raise ValueError(f"{type(module).__name__} got {len(inputs)} positional inputs but PrepareModuleInput "
-                             f"declares {len(self.input_layouts)} input_layouts {self.input_layouts}")
-        name = type(module).__name__
-        return tuple(self._prepare_arg(x, mesh, layout, desired, f"input {i} of {name}")
-                     for i, (x, layout, desired) in enumerate(zip(inputs, self.input_layouts,
-                                                                  self.desired_input_layouts)))
-
-    def _prepare_kwargs(self, module: nn.Module, kwargs: dict, mesh: DeviceMesh) -> dict:
-        name = type(module).__name__
-        return {key: self._prepare_arg(value, mesh, self.input_kwarg_layouts.get(key),
-                                       self.desired_input_kwarg_layouts.get(key), f"kwarg {key!r} of {name}")
-                for key, value in kwargs.items()}
+            return None
+        return boundary(mesh, layout, desired, use_local_output=self.use_local_output, what=what, check_even=False)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(module).__name__
+        positional = None if self.input_layouts is None else [
+            self._converter(device_mesh, layout, desired, f"input {i} of {name}")
+            for i, (layout, desired) in enumerate(zip(self.input_layouts, self.desired_input_layouts))]
+        by_name = {key: self._converter(device_mesh, layout, self.desired_input_kwarg_layouts.get(key),
+                                        f"kwarg {key!r} of {name}")
+                   for key, layout in self.input_kwarg_layouts.items()}
+
+        def prepare_inputs(inputs: tuple) -> tuple:
+            if positional is None:
+                return inputs
+            if len(inputs) != len(positional):
+                raise ValueError(f"{name} got {len(inputs)} positional inputs but PrepareModuleInput declares "
+                                 f"{len(positional)} input_layouts {self.input_layouts}")
+            return tuple(x if fn is None else fn(x) for x, fn in zip(inputs, positional))
+
         if self.with_kwargs:
             module.register_forward_pre_hook(
-                lambda mod, args, kwargs: (self._prepare_inputs(mod, args, device_mesh),
-                                           self._prepare_kwargs(mod, kwargs, device_mesh)),
+                lambda mod, args, kwargs: (prepare_inputs(args), {
+                    k: v if by_name.get(k) is None else by_name[k](v) for k, v in kwargs.items()}),
                 with_kwargs=True)
         else:
-            module.register_forward_pre_hook(lambda mod, args: self._prepare_inputs(mod, args, device_mesh))
+            module.register_forward_pre_hook(lambda mod, args: prepare_inputs(args))
         return module
 
     def __repr__(self) -> str:
@@ -111,23 +107,22 @@ class PrepareModuleOutput(ParallelStyle):
                              f"but {len(self.desired_output_layouts)} desired_output_layouts "
                              f"{self.desired_output_layouts}; give one per output")
 
-    def _prepare_outputs(self, module: nn.Module, outputs, mesh: DeviceMesh):
-        outs = outputs if isinstance(outputs, tuple) else (outputs,)
-        name = type(module).__name__
-        if len(outs) != len(self.output_layouts):
-            raise ValueError(f"{name} returned {len(outs)} outputs but PrepareModuleOutput declares "
-                             f"{len(self.output_layouts)} output_layouts {self.output_layouts}")
-        prepared = []
-        for i, (out, layout, desired) in enumerate(zip(outs, self.output_layouts, self.desired_output_layouts)):
-            if layout is None:
-                prepared.append(out)
-                continue
-            dt = move(to_dtensor(out, mesh, layout, what=f"output {i} of {name}"), desired)
-            prepared.append(dt.to_local() if self.use_local_output else dt)
-        return prepared[0] if len(prepared) == 1 else tuple(prepared)
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda mod, inputs, outputs: self._prepare_outputs(mod, outputs, device_mesh))
+        name = type(module).__name__
+        converters = [None if layout is None else boundary(
+            device_mesh, layout, desired, use_local_output=self.use_local_output, what=f"output {i} of {name}",
+            check_even=False) for i, (layout, desired) in enumerate(zip(self.output_layouts,
+                                                                       self.desired_output_layouts))]
+
+        def prepare_outputs(outputs):
+            outs = outputs if isinstance(outputs, tuple) else (outputs,)
+            if len(outs) != len(converters):
+                raise ValueError(f"{name} returned {len(outs)} outputs but PrepareModuleOutput declares "
+                                 f"{len(converters)} output_layouts {self.output_layouts}")
+            prepared = tuple(x if fn is None else fn(x) for x, fn in zip(outs, converters))
+            return prepared[0] if len(prepared) == 1 else prepared
+
+        module.register_forward_hook(lambda mod, inputs, outputs: prepare_outputs(outputs))
         return module
 
     def __repr__(self) -> str:
@@ -135,4 +130,30 @@ class PrepareModuleOutput(ParallelStyle):
                 f"{self.desired_output_layouts}, use_local_output={self.use_local_output})")
 
 
-__all__ = ["PrepareModuleInput", "PrepareModuleOutput"]
+class PrepareModuleInputOutput(ParallelStyle):
+    """PrepareModuleInput and PrepareModuleOutput on one module (torch's style of that name);
+    `use_local_input` is the input side's use_local_output."""
+
+    def __init__(self, *, input_layouts: Layouts = None, desired_input_layouts: Layouts = None,
+                 input_kwarg_layouts: dict[str, Placement] | None = None,
+                 desired_input_kwarg_layouts: dict[str, Placement] | None = None, use_local_input: bool = False,
+                 output_layouts: Placement | Sequence[Placement | None],
+                 desired_output_layouts: Placement | Sequence[Placement], use_local_output: bool = True) -> None:
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input._apply(module, device_mesh)
+        self.prepare_module_output._apply(module, device_mesh)
+        return module
+
+    def __repr__(self) -> str:
+        return f"PrepareModuleInputOutput({self.prepare_module_input!r}, {self.prepare_module_output!r})"
+
+
+__all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput"]

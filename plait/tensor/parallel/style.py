@@ -28,7 +28,7 @@ from torch import nn
 from plait.device_mesh import DeviceMesh
 from plait.tensor.api import distribute_module, distribute_tensor
 from plait.tensor.dtensor import DTensor
-from plait.tensor.parallel.layouts import check_local, move, to_dtensor
+from plait.tensor.parallel.layouts import boundary, local_output
 from plait.tensor.placement import Placement, Replicate, Shard
 
 
@@ -78,28 +78,21 @@ class _LinearStyle(ParallelStyle):
     def _check_module(self, module: nn.Module, fqn: str) -> None:
         _kind(self, module, fqn)
 
-    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh):
-        x = to_dtensor(inputs[0], mesh, self.input_layouts[0],
-                       what=f"the input of {type(self).__name__} {type(module).__name__}")
-        return move(x, self.desired_input_layouts[0], async_op=True)
-
-    def _prepare_output(self, module: nn.Module, out: DTensor, mesh: DeviceMesh):
-        if not self.use_local_output:
-            return move(out, self.output_layouts[0], async_op=True)
-        layout = self.output_layouts[0]
-        if isinstance(layout, Shard):
-            layout = Shard(layout.dim % out.ndim)
-        check_local(out.shape, (layout,), mesh, what=f"the output of {type(self).__name__} {type(module).__name__}")
-        return move(out, self.output_layouts[0], async_op=True).to_local()
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         kind = _kind(self, module, "")
         self.desired_input_layouts = self._desired_input(kind)
         placements = self._param_placements(kind)
+        name = f"{type(self).__name__} {type(module).__name__}"
+        to_input = boundary(device_mesh, self.input_layouts[0], self.desired_input_layouts[0],
+                            use_local_output=False, async_op=True, what=f"the input of {name}")
+        out = self.output_layouts[0]
+        to_output = boundary(device_mesh, out, None, use_local_output=self.use_local_output, async_op=True,
+                             what=f"the output of {name}", check_input=False)
         return distribute_module(
             module, device_mesh,
-            lambda name, mod, mesh: _shard_params(mod, mesh, placements, self.src_data_rank) if mod is module else None,
-            self._prepare_input, self._prepare_output)
+            lambda _, mod, mesh: _shard_params(mod, mesh, placements, self.src_data_rank) if mod is module else None,
+            lambda mod, inputs, mesh: to_input(inputs[0]),
+            lambda mod, outputs, mesh: to_output(outputs))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
@@ -159,23 +152,16 @@ class SequenceParallel(ParallelStyle):
             dt = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
             module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
-    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh):
-        x = inputs[0]
-        if isinstance(x, DTensor):  # as torch: a DTensor input is moved to the sequence sharding
-            return (move(x, self.sequence_sharding[0], async_op=True), *inputs[1:])
-        x = to_dtensor(x, mesh, self.sequence_sharding[0],
-                       what=f"the input of SequenceParallel {type(module).__name__}")
-        return (x, *inputs[1:])
-
-    def _prepare_output(self, module: nn.Module, out, mesh: DeviceMesh):
-        if not (self.use_local_output and isinstance(out, DTensor)):
-            return out
-        check_local(out.shape, out.placements, mesh, what=f"the output of SequenceParallel {type(module).__name__}")
-        return out.to_local()
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._replicate_params, self._prepare_input,
-                                 self._prepare_output)
+        name = f"SequenceParallel {type(module).__name__}"
+        # as torch: a DTensor input is moved to the sequence sharding, whatever it is
+        to_input = boundary(device_mesh, self.sequence_sharding[0], None, use_local_output=False, async_op=True,
+                            what=f"the input of {name}", check_input=False)
+        to_local = local_output(what=f"the output of {name}")
+        return distribute_module(module, device_mesh, self._replicate_params,
+                                 lambda mod, inputs, mesh: (to_input(inputs[0]), *inputs[1:]),
+                                 lambda mod, out, mesh: to_local(out) if self.use_local_output and
+                                 isinstance(out, DTensor) else out)
 
     def __repr__(self) -> str:
         return f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, use_local_output={self.use_local_output})"

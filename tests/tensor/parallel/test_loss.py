@@ -130,3 +130,48 @@ def test_bf16_and_errors():
             F.cross_entropy(distribute_tensor(logits, mesh, [Shard(1)]), target, weight=weight[:3])
         # plain tensors are untouched by the context
         torch.testing.assert_close(F.cross_entropy(logits, target), F.cross_entropy(logits.clone(), target))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=11, dim=8):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab, dim)
+        self.norm = torch.nn.RMSNorm(dim)
+        self.output = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.output(self.norm(self.tok_embeddings(ids)))
+
+
+@distributed([2, 3])
+def test_vocab_parallel_language_model_head(world_size):
+    """The Llama pattern: embedding rowwise into Shard(1), a SequenceParallel norm, the
+    output colwise kept as a Shard(-1) DTensor, and loss_parallel on it (vocab 11: uneven)."""
+    from plait.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    ref = TinyLM()
+    torch.manual_seed(0)
+    model = parallelize_module(TinyLM(), mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+    })
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 11, (2, 6), generator=g), torch.randint(0, 11, (2, 6), generator=g)
+    want = F.cross_entropy(ref(ids).flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+    want.backward()
+    with loss_parallel():
+        logits = model(ids)
+        assert logits.placements == (Shard(2),)
+        got = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+        got.backward()
+    torch.testing.assert_close(got.full_tensor(), want.detach(), **TOL)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")

@@ -25,6 +25,7 @@ from plait.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, 
 from plait.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -227,3 +228,9 @@ def test_prepare_module_output(world_size):
     out = one(_piece(mesh, a, 0))
     assert isinstance(out, DTensor) and out.placements == (Replicate(),)
     torch.testing.assert_close(out.to_local(), a, **TOL)
+    both = parallelize_module(nn.Identity(), mesh, PrepareModuleInputOutput(
+        input_layouts=Shard(0), desired_input_layouts=Replicate(), output_layouts=Replicate(),
+        desired_output_layouts=Shard(1)))
+    out = both(_piece(mesh, a, 0))  # gathered on the way in, cut on dim 1 on the way out
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, _piece(mesh, a, 1), **TOL)
