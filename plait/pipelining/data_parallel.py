@@ -18,8 +18,8 @@ exact for B and I/W alike, and it is one collective per stage per step.
 Adapters. `grad_sync_for(module)` asks each registered adapter in turn; plait's DDP wrapper and
 `replicate` are known here. A stage whose parameters are DTensors (tensor parallel) needs no
 adapter: its grads are complete DTensors, and `scale_grads` divides them in place like any
-tensor. FSDP (`set_requires_gradient_sync`, reduce-scatter after the last backward) plugs in
-with `register_grad_sync` from plait.fsdp, so this package does not import it.
+tensor. `fully_shard` (plait.fsdp) has its own adapter in fully_sharded.py: one all-gather
+and one reduce-scatter per group per step.
 """
 
 from __future__ import annotations
@@ -125,3 +125,5 @@ def _plait_ddp(module: nn.Module) -> GradSync | None:
 
 
 register_grad_sync(_plait_ddp)
+
+from . import fully_sharded  # noqa: E402, F401  (registers the fully_shard adapter)

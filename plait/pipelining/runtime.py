@@ -6,8 +6,9 @@
               run of SEND/RECV -> one comm.batch_isend_irecv; receives kept by (stage, kind, mb)
               F | B | I | W    -> wait for the receive it reads, then compute on the stage
           wait for every send
-    data-parallel stages (DDP / replicate submodule): sync off at the start; after a stage's
-          m-th B|W one async all-reduce of its grads; waited here, before scale_grads
+    data-parallel stages (DDP / replicate / fully_shard submodule): sync off at the start
+          (FSDP: unsharded once); after a stage's m-th B|W one async all-reduce (FSDP: one
+          reduce-scatter per group) of its grads; waited here, before scale_grads
 
 This relies on the lowering contract (`schedules/lowering.py`): sends come right after their
 producer, receives before their consumer, in the same order on both ends of each rank pair.

@@ -62,7 +62,9 @@ class PipelineStage:
     arguments are `output_grads` and `input_grads` (DTensor metadata, not needed here).
     `device`: where receive buffers are allocated (the submodule is not moved). The
     submodule may be data parallel (plait's DDP or `replicate` on a dp axis): its grads are
-    then averaged over its group once per step, after the stage's last microbatch.
+    then averaged over its group once per step, after the stage's last microbatch; or
+    `fully_shard`-ed (plait.fsdp): one all-gather and one reduce-scatter per FSDP group per
+    step (fully_sharded.py).
     """
 
     def __init__(
@@ -88,7 +90,7 @@ class PipelineStage:
         # The schedule replaces this with its own placement (V style for ZBV).
         self.stage_index_to_group_rank = loop_stage_to_rank(self.group_size, num_stages)
         self.has_backward = True
-        # A data-parallel submodule (DDP, replicate) reduces its grads once per step, after
+        # A data-parallel submodule (DDP, replicate, fully_shard) reduces its grads once per step, after
         # this stage's last backward (see data_parallel.py); None: nothing to reduce.
         self.grad_sync = grad_sync_for(submodule)
         self._user_inputs_meta = _metas(input_args)
