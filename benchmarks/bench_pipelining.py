@@ -19,6 +19,13 @@ modules, the same split and the same schedule, 8 microbatches, world sizes 2 and
 4. PP x DDP: 4 ranks as (pp=2, dp=2), 1F1B, every stage's module DDP on its dp group
    (plait.ddp with plait.pipelining, torch's DDP with torch's pipelining), each replica
    half the batch; slowest rank's step time.
+5. PP x FSDP: the same mesh and split, every block of a stage fully_shard-ed on the dp axis
+   and then the stage module (plait.fsdp with plait.pipelining, torch's fully_shard with
+   torch's pipelining, default options); slowest rank's step time, and the all-gathers and
+   reduce-scatters one rank issues per step (plait's counted with plait.debug.CommDebugMode,
+   torch's with torch's CommDebugMode): plait gathers each group once per step, torch's
+   1F1B once per forward and once per backward of every microbatch; both reduce-scatter
+   once per group per step.
 """
 
 from __future__ import annotations
@@ -339,6 +346,61 @@ def _pp_ddp_times(reps: int) -> tuple[float, float]:
     return median(t["plait"]), median(t["torch"])
 
 
+def _pp_fsdp_times(reps: int) -> tuple[float, float, dict, dict]:
+    """(plait, torch) slowest-rank step time of 1F1B x FSDP on (pp=2, dp=2), and each one's
+    collectives per step on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from plait.debug import CommDebugMode
+    from plait.device_mesh import init_device_mesh
+    from plait.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    tmesh = torch_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = rank // 2, rank % 2
+    torch.manual_seed(0)
+    model = Transformer()
+    module = pp.split_model(model, pp.split_evenly(model, 2), pp_rank)[0]
+    copied = copy.deepcopy(module)
+    for shard, m, dp in ((fully_shard, module, mesh["dp"]), (torch_fully_shard, copied, tmesh["dp"])):
+        for sub in list(m.modules())[1:]:
+            if isinstance(sub, Block):
+                shard(sub, mesh=dp)
+        shard(m, mesh=dp)
+    ours = pp.Schedule1F1B(
+        pp.PipelineStage(module, pp_rank, 2, "cpu", group=mesh["pp"].get_group()),
+        MICROBATCHES,
+        loss_fn=lm_loss,
+    )
+    theirs = tpp.Schedule1F1B(
+        tpp.PipelineStage(copied, pp_rank, 2, torch.device("cpu"), group=tmesh["pp"].get_group()),
+        MICROBATCHES,
+        loss_fn=lm_loss,
+    )
+    tokens = torch.randint(0, 256, (4 * MICROBATCHES, 32))[dp_rank::2]
+    y = torch.roll(tokens, -1, dims=1)
+    t = {"plait": [], "torch": []}
+    counts = {}
+    for rep in range(reps + 1):
+        for impl, schedule in (("plait", ours), ("torch", theirs)):
+            dist.barrier()
+            start = time.perf_counter()
+            _run_step(schedule, [pp_rank], 2, tokens, y)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if rep:
+                t[impl].append(elapsed.item())
+    for impl, schedule, mode in (("plait", ours, CommDebugMode()), ("torch", theirs, _TorchCounts())):
+        dist.barrier()
+        with mode:  # one more step, counted (not timed)
+            _run_step(schedule, [pp_rank], 2, tokens, y)
+        counts[impl] = dict(mode.get_comm_counts())
+    counts["plait"]["groups"] = len(module._groups(recurse=True))
+    return median(t["plait"]), median(t["torch"]), counts["plait"], counts["torch"]
+
+
 def run(quick: bool) -> None:
     names = list(SCHEDULES)
     reps = 3 if quick else 5
@@ -377,13 +439,23 @@ def run(quick: bool) -> None:
         (4, "1F1B x DDP (pp=2, dp=2)", 2, f"{pp_ddp[0] * 1e3:.1f}", f"{pp_ddp[1] * 1e3:.1f}",
          ratio(*pp_ddp))
     )
+    fsdp_ours, fsdp_theirs, fsdp_counts, torch_counts = run_distributed(
+        _pp_fsdp_times, reps, world_size=4, timeout=1800
+    )[0]
+    groups = fsdp_counts.pop("groups")
+    time_rows.append(
+        (4, "1F1B x FSDP (pp=2, dp=2)", 2, f"{fsdp_ours * 1e3:.1f}", f"{fsdp_theirs * 1e3:.1f}",
+         ratio(fsdp_ours, fsdp_theirs))
+    )
     print_table(
         f"pipeline step time, plait vs torch.distributed.pipelining (Gloo, {MICROBATCHES} "
         f"microbatches, 8-layer transformer dim 64, median of {reps})",
         ("world", "schedule", "stages", "plait ms", "torch ms", "plait/torch"),
         time_rows,
         notes="Same stage modules (copies), same split and schedule; the first step (shape "
-        "inference) is not timed. 4 ranks share 2 cores.",
+        "inference) is not timed. 4 ranks share 2 cores. 1F1B x FSDP, collectives per step "
+        f"on rank 0 ({groups} FSDP groups on its stage): plait {_collectives(fsdp_counts)}; torch "
+        f"{_collectives(torch_counts)}.",
     )
     print_table(
         f"pipeline bubble with sleeping stages (F=1, I=1, W=1 unit of {unit * 1e3:.0f} ms; "
@@ -406,3 +478,38 @@ def run(quick: bool) -> None:
         "in the same run (in brackets). Measured: 1 - sum of sleeps / (p * window), over all "
         "ranks' logged sleeps.",
     )
+
+
+def _collectives(counts: dict) -> str:
+    """'all_gather 4, reduce_scatter 4' from a CommDebugMode count (p2p left out)."""
+    keep = {k: n for k, n in counts.items() if "gather" in k or "reduce" in k}
+    return ", ".join(f"{k} {n}" for k, n in sorted(keep.items())) or "none"
+
+
+class _TorchCounts:
+    """Counts torch.distributed's collectives called inside the block, by name.
+
+    (torch's own CommDebugMode fails here: its module tracker loses its parent list under
+    FSDP's hooks, `IndexError` in `_fw_set_module_hook`.) Each rank is a process, so
+    patching the module's functions for the block counts this rank only."""
+
+    NAMES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+             "reduce_scatter_tensor", "all_reduce")
+
+    def __enter__(self):
+        self.counts: dict[str, int] = {}
+        self.saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, fn in self.saved.items():
+            def counted(*args, _fn=fn, _name=name, **kwargs):
+                self.counts[_name] = self.counts.get(_name, 0) + 1
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def get_comm_counts(self) -> dict[str, int]:
+        return self.counts
