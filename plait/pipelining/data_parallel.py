@@ -40,6 +40,9 @@ class GradSync(Protocol):
 
     def begin_step(self) -> None: ...
 
+    def after_backward(self) -> None:
+        """After each B or W of this stage (the microbatch's weight grads are in .grad)."""
+
     def last_backward(self) -> None: ...
 
     def end_step(self) -> None: ...
@@ -83,6 +86,9 @@ class ReplicaGradSync:
         assert self._saved is None and not self._work, "begin_step twice without end_step"
         self._saved = self.state.require_backward_grad_sync
         self.state.require_backward_grad_sync = False
+
+    def after_backward(self) -> None:
+        pass  # .grad accumulates in the param's dtype, as DDP's no_sync does
 
     def last_backward(self) -> None:
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}

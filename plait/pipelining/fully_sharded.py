@@ -8,6 +8,10 @@ per step, whatever the number of microbatches.
     each F / B / I / W the unsharded params are registered on the modules: B and W accumulate
                        into their .grad (W writes .grad itself); FSDP's post-backward only
                        keeps the sum (accumulate_unsharded), nothing is sent
+    after each B | W   ShardedGradSync.after_backward(): with a reduce_dtype wider than
+                       param_dtype, the microbatch's .grad is added to the running sum in
+                       reduce_dtype (FSDP's own no-sync accumulation; W runs after the
+                       post-backward that would do it)
     stage's m-th B|W   ShardedGradSync.last_backward(): sync on, reshard after backward on,
                        last backward; every group's post-backward runs by hand: reshard, then
                        one reduce-scatter of the summed unsharded grads (queued: the next
@@ -85,6 +89,16 @@ class ShardedGradSync:
             g.unshard(async_op=True)
         for g in groups:
             g.wait_for_unshard()
+
+    def after_backward(self) -> None:
+        # What FSDP's post-backward does without sync, after every microbatch's weight
+        # grads: with a reduce_dtype wider than param_dtype, the sum is kept in it. A W
+        # writes .grad after the post-backward its I triggered, and several W may run back
+        # to back (zero-bubble), which would otherwise add bf16 grads in bf16.
+        for g in self._groups():
+            if g.reduce_dtype != g.param_dtype:
+                for p in g.params:
+                    p.accumulate_unsharded(g.reduce_dtype)
 
     def last_backward(self) -> None:
         for root in self.roots:

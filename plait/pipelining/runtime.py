@@ -228,8 +228,10 @@ class PipelineRuntime:
             stage.backward_weight_one_chunk(mb)
         if kind is _B or kind is _W:  # each microbatch's weight grads come from its B or W
             done = step.weight_grads[s] = step.weight_grads.get(s, 0) + 1
-            if done == self.schedule.num_microbatches and stage.grad_sync is not None:
-                stage.grad_sync.last_backward()  # one reduction per step, launched now
+            if stage.grad_sync is not None:
+                stage.grad_sync.after_backward()
+                if done == self.schedule.num_microbatches:
+                    stage.grad_sync.last_backward()  # one reduction per step, launched now
         self.timeline.append((a, start, time.perf_counter()))
 
 

@@ -15,6 +15,13 @@ widths (3, 5, 24, 40, ...) do not all divide by the dp size, so shards are uneve
 
 Tolerances are test_runtime_parity's, for the same reason: the same math summed in another
 order (per microbatch, then a reduce-scatter over 2 replicas instead of one mean).
+
+bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)): the reference is the
+whole model fully_shard-ed alike without a pipeline, accumulating the same 8 microbatches
+with set_requires_gradient_sync(False) until the last, so each microbatch rounds the same
+way and the sums are in fp32 in the same order. Measured: identical (0 difference) for
+1F1B and ZBV; allowed rtol 1e-5 / atol 1e-6. Adding the W grads of back-to-back zero-bubble
+W steps in bf16 instead (FSDP's post-backward runs in I, before W) measured 4.5e-4.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from plait import comm
 from plait.debug import CommDebugMode
 from plait.device_mesh import init_device_mesh
-from plait.fsdp import fully_shard
+from plait.fsdp import MixedPrecisionPolicy, fully_shard
 from plait.pipelining import PipelineStage, build_schedule
 from plait.pipelining.fully_sharded import ShardedGradSync
 from plait.tensor import DTensor
@@ -48,30 +55,67 @@ from tests.pipelining.test_runtime_parity import (
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
-def _shard_stage(module: torch.nn.Module, mesh) -> torch.nn.Module:
+def _shard_stage(module: torch.nn.Module, mesh, mp_policy: MixedPrecisionPolicy) -> torch.nn.Module:
     for sub in list(module.modules())[1:]:
         if isinstance(sub, Block):
-            fully_shard(sub, mesh=mesh)
-    return fully_shard(module, mesh=mesh)
+            fully_shard(sub, mesh=mesh, mp_policy=mp_policy)
+    return fully_shard(module, mesh=mesh, mp_policy=mp_policy)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def check_pp_fsdp(schedule_name: str, model_name: str) -> None:
+def _fsdp_reference(model, loss_fn, model_name: str, eps: float, dp_mesh, mp):
+    """bf16: the whole model fully_shard-ed alike on the dp axis, no pipeline, accumulating
+    the same microbatches (sync only on the last) and dividing by their count: the same
+    bf16 rounding per microbatch, so only the fp32 summation order may differ."""
+    model = _shard_stage(model, dp_mesh, mp)
+    dp_rank = dp_mesh.get_local_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=eps)
+    losses, grads = [], []
+    for step in range(STEPS):
+        x, y = _data(model_name, step)
+        half = x.shape[0] // 2
+        x, y = x[dp_rank * half : (dp_rank + 1) * half], y[dp_rank * half : (dp_rank + 1) * half]
+        opt.zero_grad()
+        mb_losses = []
+        for i, (xm, ym) in enumerate(zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES))):
+            model.set_requires_gradient_sync(i == MICROBATCHES - 1)
+            loss = loss_fn(model(xm), ym)
+            loss.backward()
+            mb_losses.append(loss.detach())
+        mean = torch.stack(mb_losses).mean()
+        comm.all_reduce(mean, group=dp_mesh.get_group())
+        losses.append(mean / 2)
+        for p in model.parameters():
+            p.grad.div_(MICROBATCHES)
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+    return losses, grads, {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def check_pp_fsdp(schedule_name: str, model_name: str, bf16: bool = False) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     pp_rank, dp_rank = comm.get_rank(pp_group), comm.get_rank(dp_group)
     cls, v = SCHEDULES[schedule_name]
     model, loss_fn, tol = _model(model_name)
-    ref_losses, ref_grads, ref_params = _reference(
-        copy.deepcopy(model), loss_fn, model_name, tol["eps"]
-    )
+    mp = MixedPrecisionPolicy()
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        tol = {**tol, "rtol": 1e-5, "atol": 1e-6, "params_atol": 1e-6}  # see the module note
+        ref_losses, ref_grads, ref_params = _fsdp_reference(
+            copy.deepcopy(model), loss_fn, model_name, tol["eps"], mesh["dp"], mp
+        )
+    else:
+        ref_losses, ref_grads, ref_params = _reference(
+            copy.deepcopy(model), loss_fn, model_name, tol["eps"]
+        )
     num_stages = 2 * v
     plan = build_schedule(schedule_name, 2, MICROBATCHES, stages_per_rank=v if v > 1 else None)
     owned = list(plan.stages_of(pp_rank))
-    modules = [_shard_stage(m, mesh["dp"]) for m in _stage_modules(model, model_name, num_stages, owned)]
+    modules = [_shard_stage(m, mesh["dp"], mp) for m in _stage_modules(model, model_name, num_stages, owned)]
     stages = [
         PipelineStage(m, s, num_stages, "cpu", group=pp_group) for m, s in zip(modules, owned)
     ]
@@ -119,3 +163,9 @@ def check_pp_fsdp(schedule_name: str, model_name: str) -> None:
 )
 def test_pp_x_fsdp_matches_one_process(schedule_name, model_name):
     check_pp_fsdp(schedule_name, model_name)
+
+
+@distributed([4])
+@pytest.mark.parametrize("schedule_name", ["1F1B", "ZBVZeroBubble"])
+def test_pp_x_fsdp_bf16_params_fp32_reduce(schedule_name):
+    check_pp_fsdp(schedule_name, "transformer", bf16=True)
