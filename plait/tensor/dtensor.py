@@ -11,6 +11,7 @@ redistribute are autograd Functions (conversions.py) whose backward is the rever
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -159,6 +160,20 @@ class DTensor(torch.Tensor):
 
     def __tensor_flatten__(self):
         return ["_local_tensor"], _FlatMeta(self._spec.mesh, self._spec.placements, self.requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """AOTAutograd's cache key for a DTensor input: everything a compiled graph depends on
+        (global and local metadata, placements, the mesh's ranks and process groups, whose
+        names the graph's collectives carry). Without it, torch pickles the flatten
+        metadata, fails on the mesh's process groups, and warns at every compile."""
+        spec, local = self._spec, self._local_tensor
+        mesh = spec.mesh
+        groups = tuple(mesh.get_group(axis).group_name for axis in range(mesh.ndim))
+        key = (type(self).__qualname__, tuple(self.shape), tuple(self.stride()), str(self.dtype),
+               self.requires_grad, repr(spec.placements), tuple(mesh.shape), mesh.mesh_dim_names,
+               tuple(mesh.mesh.flatten().tolist()), groups, tuple(local.shape), tuple(local.stride()),
+               str(local.dtype), str(local.device))
+        return hashlib.sha256(repr(key).encode()).hexdigest()
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
