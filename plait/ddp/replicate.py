@@ -16,7 +16,6 @@ parallel inside data parallel, are refused for now).
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -126,7 +125,7 @@ def replicate(
         gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, device_ids=device_ids,
     )
     module.__dict__[_STATE] = state  # not a submodule or parameter: the state dict is unchanged
-    state.forward = types.MethodType(type(module).forward, module)  # the module's own forward
+    state.forward = module.forward  # its own forward (an instance override included), before the class changes
     module.register_forward_pre_hook(lambda _m, args, kwargs: state.pre_forward(args, kwargs), with_kwargs=True)
     module.register_forward_hook(lambda _m, _args, output: state.post_forward(output))
     cls = type(module)
