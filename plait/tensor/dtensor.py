@@ -216,8 +216,21 @@ class _FlatMeta:
     def __deepcopy__(self, memo: dict) -> _FlatMeta:
         return self
 
+    def __reduce__(self) -> tuple:
+        # torch's AOTAutograd cache pickles compiled graphs with this metadata: the mesh goes
+        # by its ranks and names (its process groups cannot be pickled) and comes back as an
+        # equal mesh over the same groups (new_group returns the one this process made)
+        m = self.mesh
+        return (_restore_flat_meta, (m.device_type, m.mesh.tolist(), m.mesh_dim_names, self.placements,
+                                     self.requires_grad))
+
     def __repr__(self) -> str:
         return f"DTensorMeta({list(self.placements)}, requires_grad={self.requires_grad})"
+
+
+def _restore_flat_meta(device_type: str, ranks: list, names: tuple[str, ...] | None,
+                       placements: tuple[Placement, ...], requires_grad: bool) -> _FlatMeta:
+    return _FlatMeta(DeviceMesh(device_type, ranks, mesh_dim_names=names), placements, requires_grad)
 
 
 def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:

@@ -79,3 +79,20 @@ def test_compiled_dtensor_collectives_are_counted_recorded_and_checked(tmp_path)
 
     listed = json.loads(open(doc).read())["entries"][-len(entries):]
     assert [e["op"] for e in listed] == [e.op for e in entries] and all(e["state"] == "completed" for e in listed)
+
+
+@distributed([2])
+def test_dtensor_gives_inductor_a_cache_key_and_picklable_metadata():
+    """What AOTAutograd's cache asks of a tensor subclass (under Inductor): a stable hash,
+    and flatten metadata that pickles (the mesh's process groups cannot; without both,
+    every compile warned on every rank)."""
+    import pickle
+
+    mesh = mesh_for(2)
+    a = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+    b = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+    c = distribute_tensor(torch.ones(4, 3), mesh, [Shard(1)])
+    assert a._stable_hash_for_caching() == b._stable_hash_for_caching() != c._stable_hash_for_caching()
+    _, meta = a.__tensor_flatten__()
+    back = pickle.loads(pickle.dumps(meta))
+    assert back == meta and back.mesh.get_group(0) is mesh.get_group(0)
