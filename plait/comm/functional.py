@@ -94,7 +94,7 @@ def all_gather(x: torch.Tensor, group, dim: int, sizes: Sequence[int]) -> torch.
     """Traceable all-gather along `dim`; rank r contributes `sizes[r]` rows."""
     name, n, width = group.group_name, len(sizes), max(sizes)
     shape = list(x.shape)
-    row_bytes = x.element_size() * math.prod(s for i, s in enumerate(shape) if i != dim)
+    row_bytes = x.element_size() * math.prod([s for i, s in enumerate(shape) if i != dim])
     x = collective_start(x, "all_gather", name, "", shape[:dim] + [sum(sizes)] + shape[dim + 1:],
                          (n - 1) * width * row_bytes)
     rows = x.movedim(dim, 0)
@@ -110,7 +110,7 @@ def reduce_scatter(x: torch.Tensor, group, op: str, dim: int, sizes: Sequence[in
     """Traceable reduce-scatter along `dim`; rank `me` keeps `sizes[me]` rows."""
     name, n, width = group.group_name, len(sizes), max(sizes)
     shape = list(x.shape)
-    row_bytes = x.element_size() * math.prod(s for i, s in enumerate(shape) if i != dim)
+    row_bytes = x.element_size() * math.prod([s for i, s in enumerate(shape) if i != dim])
     x = collective_start(x, "reduce_scatter", name, op, shape[:dim] + [sizes[me]] + shape[dim + 1:],
                          (n - 1) * width * row_bytes)
     rows = x.movedim(dim, 0)
