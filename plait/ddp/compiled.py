@@ -25,7 +25,9 @@ The backend is found on the compile callback that is active while dynamo skips
 DDP.forward (CatchErrorsWrapper -> ConvertFrame -> WrapBackendDebug -> backend: the chain
 torch's converter itself unwraps for DDPOptimizer). If that chain is not there (another
 torch version), the module runs under the active callback as it is: correct, compiled in
-one piece, without overlap.
+one piece, without overlap. The inner compile takes the backend (and with it Inductor's
+mode and options), not torch.compile's `dynamic=` and `fullgraph=` (a wrapper that runs
+eager cannot be one graph anyway, as with torch's DDP).
 """
 
 from __future__ import annotations
