@@ -63,12 +63,14 @@ def collective_end(out: torch.Tensor, group_name: str) -> torch.Tensor:
     event = pending.popleft() if pending else None
     if event is not None:
         events.emit_end(event)
-    return out.clone()
+    # contiguous, as plait.comm's eager results are: a later view (linear's (B*S, D) of an
+    # all-gather on the sequence dim) needs it, and the copy is made here anyway
+    return out.clone(memory_format=torch.contiguous_format)
 
 
 @collective_end.register_fake
 def _(out, group_name):
-    return torch.empty_like(out)
+    return torch.empty_like(out, memory_format=torch.contiguous_format)
 
 
 def _nbytes(t: torch.Tensor) -> int:
