@@ -30,6 +30,13 @@ _EXPORTS = {
     "FSDPModule": "plait.fsdp",
     "MixedPrecisionPolicy": "plait.fsdp",
     "CPUOffloadPolicy": "plait.fsdp",
+    "parallelize_module": "plait.tensor.parallel",
+    "ColwiseParallel": "plait.tensor.parallel",
+    "RowwiseParallel": "plait.tensor.parallel",
+    "SequenceParallel": "plait.tensor.parallel",
+    "PrepareModuleInput": "plait.tensor.parallel",
+    "PrepareModuleOutput": "plait.tensor.parallel",
+    "loss_parallel": "plait.tensor.parallel",
 }
 
 __all__ = sorted(_EXPORTS)

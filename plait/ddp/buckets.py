@@ -6,6 +6,9 @@
     -> Bucket: one flat buffer per bucket; each gradient is a view at its offset
     -> GradBucket: what a comm hook sees (buffer, gradients, parameters, index, is_last)
 
+Sizes are those of the local shards (plait.ddp.shards): a DTensor parameter's bucket slot
+holds its local gradient, of its local shape.
+
 Invariant: every rank holds the same buckets in the same order (the same parameters at
 the same offsets, one dtype and device per bucket), and buckets are launched strictly in
 index order, so the k-th all-reduce of an iteration is the same bucket on every rank.
@@ -17,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
+
+from plait.ddp.shards import as_grad, local
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -39,7 +44,7 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], caps: S
     closed_count: dict[tuple[torch.dtype, torch.device], int] = {}
     done: list[tuple[int, list[int]]] = []  # (position of the last member, members)
     for pos, i in enumerate(order):
-        p = params[i]
+        p = local(params[i])
         key = (p.dtype, p.device)
         open_.setdefault(key, []).append(i)
         sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
@@ -68,15 +73,17 @@ class Bucket:
         self.param_indices = param_indices
         self.params = params
         self.fqns = fqns
-        first = params[0]
-        assert all(p.dtype == first.dtype and p.device == first.device for p in params)
+        shards = [local(p) for p in params]
+        first = shards[0]
+        assert all(p.dtype == first.dtype and p.device == first.device for p in shards)
         self.offsets: list[int] = []
         total = 0
-        for p in params:
+        for p in shards:
             self.offsets.append(total)
             total += p.numel()
+        self.shapes = [p.shape for p in shards]
         self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        self.views = [self.buffer.narrow(0, o, p.numel()).view(p.shape) for o, p in zip(self.offsets, params)]
+        self.views = [self.buffer.narrow(0, o, p.numel()).view(p.shape) for o, p in zip(self.offsets, shards)]
         # per iteration, owned by the reducer
         self.pending = len(params)
         self.work: object | None = None  # a comm Handle or a torch Future while in flight
@@ -100,16 +107,17 @@ def move_grad_views(old: Sequence[Bucket], new: Sequence[Bucket]) -> None:
     new_views = {i: b.views[k] for b in new for k, i in enumerate(b.param_indices)}
     for bucket in old:
         for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
-            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-                new_views[i].copy_(p.grad)
-                p.grad = new_views[i]
+            if p.grad is not None and local(p.grad).data_ptr() == view.data_ptr():
+                new_views[i].copy_(local(p.grad))
+                p.grad = as_grad(p, new_views[i])
 
 
 class GradBucket:
     """What a comm hook receives; torch's `dist.GradBucket` by method name and meaning.
 
     `buffer()` is the flat gradient tensor (not divided by the world size), `gradients()`
-    its per-parameter views, in the order of `parameters()`. `process_group` (a plait
+    its per-parameter views, in the order of `parameters()` (local shards' shapes for
+    DTensor parameters, which `parameters()` returns as they are). `process_group` (a plait
     extra) is the group DDP reduces over, which a hook given `state=None` uses.
     """
 
@@ -136,8 +144,8 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        return [self._buffer.narrow(0, o, p.numel()).view(p.shape)
-                for o, p in zip(self._bucket.offsets, self._bucket.params)]
+        return [self._buffer.narrow(0, o, shape.numel()).view(shape)
+                for o, shape in zip(self._bucket.offsets, self._bucket.shapes)]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self._bucket.params)

@@ -10,6 +10,9 @@
                       averaged .grads (copies, or the .grads already are the views) -> IDLE
     next forward      buckets rebuilt once, in the order gradients became ready
 
+DTensor parameters (tensor parallel inside data parallel) are reduced on their local
+shards; see shards.py.
+
 In IDLE (no_sync, eval, a second backward) hooks only note use; gradients accumulate in
 `.grad` and the next synced backward reduces the sum. An iteration in which a parameter
 got no gradient without find_unused_parameters still issues every bucket's collective
@@ -28,6 +31,7 @@ from torch.distributed import ProcessGroup
 from plait import comm
 from plait.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, move_grad_views
 from plait.ddp.graph import queue_end_of_backward, reachable_params, twice_message, unused_message
+from plait.ddp.shards import as_grad, local, local_grad
 
 
 class Phase(enum.Enum):
@@ -217,12 +221,12 @@ class Reducer:
             view.zero_()
         else:
             param = self.params[i]
-            grad = param.grad
+            grad = local_grad(param)  # DTensor parameters: the local shard, in the param's placements
             scale = self._scale() if self._hook is None else 1.0
             if self.gradient_as_bucket_view:
                 if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
                     view.copy_(grad)
-                    param.grad = view
+                    param.grad = as_grad(param, view)
                 if scale != 1.0:
                     view.mul_(scale)
             elif scale != 1.0:
@@ -313,12 +317,12 @@ class Reducer:
                 continue
             param, view = self.params[i], bucket.views[k]
             if self.gradient_as_bucket_view:
-                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                    param.grad = view
+                if param.grad is None or local(param.grad).data_ptr() != view.data_ptr():
+                    param.grad = as_grad(param, view)
             elif param.grad is None:
-                param.grad = view.clone()
+                param.grad = as_grad(param, view.clone())
             else:
-                param.grad.copy_(view)
+                local(param.grad).copy_(view)
 
     # -- join ----------------------------------------------------------------------------
 

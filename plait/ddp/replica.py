@@ -9,6 +9,9 @@ composable `replicate`: what happens around each forward, and what a joined rank
     joined rank   main_hook: rebuild, buffers, sync flag, zero buckets; post_hook: every
                   rank takes the model of the last rank to join
 
+DTensor parameters and buffers (tensor parallel on other mesh axes) are checked,
+broadcast and reduced as their local shards (shards.py).
+
 `require_backward_grad_sync` (False under no_sync) decides whether the next backward
 reduces; `require_forward_param_sync` remembers whether the last forward did, which is
 when buffers are broadcast again (torch's rule).
@@ -25,7 +28,7 @@ from torch.distributed import ProcessGroup
 from torch.utils import _pytree as pytree
 
 from plait import comm
-from plait.ddp import sync
+from plait.ddp import shards, sync
 from plait.ddp.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MiB
 from plait.ddp.graph import watch_outputs
 from plait.ddp.join import Join, Joinable, JoinHook
@@ -64,11 +67,11 @@ class ReplicaState(Joinable):
             raise RuntimeError("DistributedDataParallel is not needed when a module has no "
                                "parameter that requires a gradient")
         _check_no_sparse(module)
-        for name, p in trained:  # a DTensor's numel is global: buckets of local shards are not built yet
-            if type(p.data) is not torch.Tensor:
+        for name, p in trained:  # DTensors are reduced as local shards; other subclasses are unknown
+            if type(p.data) not in (torch.Tensor, shards.DTensor):
                 raise TypeError(f"parameter {name} is a {type(p.data).__name__}; data parallel takes plain "
-                                "tensor parameters (DDP over tensor-parallel DTensor parameters is not "
-                                "supported yet)")
+                                "tensor parameters or DTensors (tensor parallel on other mesh axes)")
+        shards.check_dtensor_params(named + self._named_buffers(), group)
         device_types = {p.device.type for _, p in named}
         if len(device_types) != 1:
             raise ValueError(f"the module's parameters must be on one device type, got {sorted(device_types)}")
@@ -76,6 +79,7 @@ class ReplicaState(Joinable):
         self.device_ids = _check_device_ids(device_ids, self.device)
         if init_sync:
             states = named + (self._named_buffers() if broadcast_buffers else [])
+            states = [(n, shards.local(t)) for n, t in states]  # DTensors: their local shards
             sync.verify_shapes(states, group)
             sync.broadcast_coalesced([t for _, t in states], src=0, group=group)
         self.reducer = Reducer(trained, group, caps=caps, find_unused_parameters=find_unused_parameters,
@@ -118,7 +122,7 @@ class ReplicaState(Joinable):
         return self.require_forward_param_sync and self.broadcast_buffers and bool(self._named_buffers())
 
     def sync_buffers(self, root: int) -> None:
-        buffers = [b for _, b in self._named_buffers()]
+        buffers = [shards.local(b) for _, b in self._named_buffers()]
         # a broadcast is not an autograd-visible change: keep saved-tensor version checks quiet
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
             sync.broadcast_coalesced(buffers, src=root, group=self.group)
@@ -162,9 +166,9 @@ class _ReplicaJoinHook(JoinHook):
         """Everyone takes the model of the (highest) rank that joined last."""
         state = self.state
         root = sync.find_common_rank(state.group, is_last_joiner)
-        tensors = [p for n, p in state.module.named_parameters() if n not in state.ignored]
+        tensors = [shards.local(p) for n, p in state.module.named_parameters() if n not in state.ignored]
         if state.broadcast_buffers:
-            tensors += [b for _, b in state._named_buffers()]
+            tensors += [shards.local(b) for _, b in state._named_buffers()]
         sync.broadcast_coalesced(tensors, src=root, group=state.group)
 
 

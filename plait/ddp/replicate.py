@@ -9,8 +9,8 @@
 
 On an N-D mesh pass the 1-D data-parallel axis (`device_mesh=mesh["dp"]`). Unlike torch's
 `replicate`, it syncs at once (not at the first forward) and broadcasts buffers, exactly
-as the wrapper does. Parameters must be plain tensors (DTensor parameters, i.e. tensor
-parallel inside data parallel, are refused for now).
+as the wrapper does. Parameters may be DTensors on the other axes of the mesh (tensor
+parallel inside data parallel): their local shards are synced and reduced over dp.
 """
 
 from __future__ import annotations

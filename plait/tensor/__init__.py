@@ -8,7 +8,7 @@
 Data flow of one op (see dispatch.py): DTensor args -> their specs -> cached plan (the op's
 rule in ops/, chosen by cost) -> redistribute the inputs that need it (plait.comm) -> run
 the op on local tensors -> wrap the outputs with the planned specs. Layers: placement ->
-spec -> redistribute -> dtensor -> ops -> dispatch -> api. Later: plait.tensor.parallel.
+spec -> redistribute -> dtensor -> ops -> dispatch -> api. Tensor parallel on top: plait.tensor.parallel.
 """
 
 from plait.device_mesh import DeviceMesh, init_device_mesh

@@ -54,7 +54,8 @@ def all_gather(x: torch.Tensor, group, dim: int, sizes: Sequence[int]) -> torch.
     out = _wait(_fc.all_gather_into_tensor(rows.contiguous(), n, _name(group)))  # (n*width, ...)
     if len(set(sizes)) > 1:
         out = torch.cat([out.narrow(0, r * width, s) for r, s in enumerate(sizes)])
-    return out.movedim(0, dim)
+    # contiguous, as plait.comm's eager result is: a later view (linear's (B*S, D)) needs it
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor, group, op: str, dim: int, sizes: Sequence[int], me: int) -> torch.Tensor:
@@ -67,7 +68,7 @@ def reduce_scatter(x: torch.Tensor, group, op: str, dim: int, sizes: Sequence[in
     out = _wait(_fc.reduce_scatter_tensor(rows.contiguous(), reduce_op, n, _name(group)))
     if op == "avg":
         out = out / n
-    return out.narrow(0, 0, sizes[me]).movedim(0, dim)
+    return out.narrow(0, 0, sizes[me]).movedim(0, dim).contiguous()
 
 
 def all_to_all(send: torch.Tensor, group, out_splits: Sequence[int], in_splits: Sequence[int]) -> torch.Tensor:
