@@ -17,6 +17,8 @@ atol 1e-5 / rtol 1e-4. A dp piece gathered into the wrong place, a grad not aver
 over dp or a Partial grad not reduced over tp moves most elements by O(lr).
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,3 +136,41 @@ def test_fsdp_over_tp_bad_meshes_are_refused_before_anything_is_sent():
         fully_shard(bias, mesh=mesh["dp"])
     x = F.linear(torch.ones(1, 4), torch.ones(4, 4))  # nothing above left a collective pending
     assert x.shape == (1, 4)
+
+
+@distributed([4], timeout=400)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_fsdp_over_tp_collectives_per_step(sp):
+    """Per forward + backward, on the dp axis only: one all-gather per block in forward and
+    one in backward, one for the root (kept unsharded after forward), one reduce-scatter
+    per group; each carries the TP-local pieces (an all-gather's output is world x its
+    input). On the tp axis only TP's own collectives (and, under SP, the all-reduce over
+    tp of the norms' Partial gradients)."""
+    from plait.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model = _fsdp_tp(mesh, sp=sp, tie=False)
+    tok = tokens(0, 4, model.args.vocab_size)[2 * dp_rank:2 * dp_rank + 2]
+    with CommDebugMode() as mode:
+        lm_loss(model(tok[:, :-1]), tok).backward()
+    dp_ranks = tuple(mesh["dp"].mesh.tolist())
+    by_op: dict[str, list] = {}
+    for e in mode.events:
+        if e.group_ranks == dp_ranks:
+            by_op.setdefault(e.op, []).append(e)
+    blocks = len(model.layers)
+    assert len(by_op["all_gather"]) == 2 * blocks + 1, {k: len(v) for k, v in by_op.items()}
+    assert len(by_op["reduce_scatter"]) == blocks + 1, {k: len(v) for k, v in by_op.items()}
+    assert set(by_op) == {"all_gather", "reduce_scatter"}, set(by_op)
+    root = model._plait_fsdp_state.group
+    block_totals = sorted(blk._plait_fsdp_state.group.total for blk in model.layers.values())
+    gathered = sorted(math.prod(e.input_shapes[0]) for e in by_op["all_gather"])
+    assert gathered == sorted([root.total] + 2 * block_totals), (gathered, root.total, block_totals)
+    # what the gather rebuilds is the block's TP-local tensors: global numel / tp for what TP
+    # shards, whole for the rest ("tiny" divides evenly by dp 2 and tp 2: no padding)
+    tp_local = sum(p.numel() // (2 if any(pl.is_shard() for pl in p.placements[1:]) else 1)
+                   for p in model.layers["0"].parameters())
+    assert 2 * block_totals[0] == tp_local, (block_totals, tp_local)
+    tp_only = {e.group_ranks for e in mode.events} - {dp_ranks}
+    assert tp_only == {tuple(mesh["tp"].mesh.tolist())}, tp_only
