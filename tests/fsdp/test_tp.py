@@ -174,3 +174,30 @@ def test_fsdp_over_tp_collectives_per_step(sp):
     assert 2 * block_totals[0] == tp_local, (block_totals, tp_local)
     tp_only = {e.group_ranks for e in mode.events} - {dp_ranks}
     assert tp_only == {tuple(mesh["tp"].mesh.tolist())}, tp_only
+
+
+@distributed([4], timeout=400)
+def test_fsdp_over_tp_gradient_accumulation_without_sync():
+    """Two micro-batches per step, set_requires_gradient_sync(False) on the first (TP+SP, so
+    the norms' Partial gradients are moved to Replicate in the accumulation too), 4 steps:
+    the same losses and parameters as the reference on the whole batch (each micro-batch
+    loss halved), tolerances as above."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model, ref = _fsdp_tp(mesh, sp=True, tie=False), build("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    want, _ = _train(ref, None, steps=4)
+    got = []
+    for step in range(4):
+        tok = tokens(step, 4, model.args.vocab_size)[2 * dp_rank:2 * dp_rank + 2]
+        total = 0.0
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            loss = lm_loss(model(tok[micro:micro + 1, :-1]), tok[micro:micro + 1]) / 2
+            loss.backward()
+            total += float(full(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+        got.append(total)
+    torch.testing.assert_close(_dp_mean(torch.tensor(got), mesh), want, **FP32["loss"])
+    assert_params_match(model, ref, dict(FP32, bound=dict(atol=1e-3, rtol=1e-4)), "accumulated, after 4 steps")
