@@ -1,8 +1,9 @@
 """plait's fully_shard against torch.distributed.fsdp.fully_shard (FSDP2).
 
-    world 2 and 4 (Gloo, one thread per rank) -> the GPT of benchmarks.models (4 layers,
-    d_model 256, vocab 1024, seq 128, tied embeddings: Ψ ≈ 3.4M parameters), batch 4 per
-    rank, fully_shard per block then the root, AdamW
+    world 2 and 4 (Gloo, one thread per rank) -> the Llama "8m" config of
+    plait.models.llama (8 blocks, dim 256, GQA 8/4 heads, SwiGLU 704, vocab 4096, untied:
+    Ψ = 7,999,744 parameters), seq 128, batch 2 per rank, fully_shard per block then the
+    root, AdamW
     -> per reshard_after_forward (True, False; the same for every group, root included):
        both on the same initial model, warmed up, then single steps alternately; a
        sample is the slowest rank's step, the ratio the median of adjacent steps' ratios
@@ -13,6 +14,11 @@
        counted tensor by tensor), max over ranks, against the ZeRO-3 formula 16Ψ/N; the
        peak of unsharded flat buffers alive at once against root + the two largest
        other groups (the prefetch bound; without resharding after forward: every group)
+    -> peak live tensor bytes during one step (benchmarks.live_bytes: every tensor an op
+       makes or autograd saves, plus params, grads, optimizer state and the unsharded
+       buffers, each storage at its current size), plait and torch under the same count,
+       against 16Ψ/N + the root's and the two largest other unsharded groups; the rest is
+       activations and temporaries
 """
 
 from __future__ import annotations
@@ -22,32 +28,47 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from benchmarks.common import human_bytes, median, print_table
-from benchmarks.models import GPT, GPTConfig, lm_loss, random_tokens
+from benchmarks.live_bytes import LiveBytes
 from plait import comm
 from plait.debug import CommDebugMode
 from plait.fsdp import fully_shard
+from plait.models.llama import CONFIGS, Transformer
 from plait.testing import run_distributed
 
-BATCH_PER_RANK = 4
+BATCH_PER_RANK = 2
+SEQ = 128
+CONFIG = "8m"
 WORLDS = (2, 4)
 
 
-def _model(cfg: GPTConfig) -> GPT:
+def _model(cfg) -> Transformer:
     torch.manual_seed(0)
-    return GPT(cfg)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    return model
 
 
-def _shard(model: GPT, shard_fn, reshard: bool, **kwargs) -> GPT:
-    for block in model.blocks:
+def _shard(model: Transformer, shard_fn, reshard: bool, **kwargs) -> Transformer:
+    for block in model.layers.values():
         shard_fn(block, reshard_after_forward=reshard, **kwargs)
     shard_fn(model, reshard_after_forward=reshard, **kwargs)
     return model
 
 
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits (b, s, vocab) of tokens[:, :-1] against tokens[:, 1:]."""
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _forward(model, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens[:, :-1])
+
+
 def _step(model, opt, tokens: torch.Tensor) -> None:
-    lm_loss(model(tokens), tokens).backward()
+    lm_loss(_forward(model, tokens), tokens).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -82,6 +103,36 @@ def _resident(model, opt, group) -> int:
     return int(t.item())
 
 
+def _state_tensors(model, opt) -> list[torch.Tensor]:
+    """Parameters, gradients and optimizer state: what a step starts with."""
+    out = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    out += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _plait_buffers(model) -> list[torch.Tensor]:
+    """plait's flat unsharded buffers (storage resized to 0 while sharded)."""
+    return [s.group._flat for s in model._plait_fsdp_state.ctx.states
+            if s.group is not None and s.group._flat is not None]
+
+
+def _torch_buffers(model) -> list[torch.Tensor]:
+    """torch FSDP2's unsharded parameters and all-gather outputs (storage freed while sharded)."""
+    out = []
+    for m in model.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        group = get()._fsdp_param_group if get is not None else None
+        for fp in group.fsdp_params if group is not None else ():
+            out += list(fp.all_gather_outputs) + ([fp._unsharded_param] if hasattr(fp, "_unsharded_param") else [])
+    return out
+
+
+def _max(value: int, group) -> int:
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def _measure(quick: bool) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -89,9 +140,10 @@ def _measure(quick: bool) -> list[dict]:
     warnings.filterwarnings("ignore")
     group = comm.world_group()
     rank, n = comm.get_rank(group), comm.get_world_size(group)
-    cfg = GPTConfig.small()
+    cfg = CONFIGS[CONFIG]
     rounds, warmup = (4, 2) if quick else (12, 3)
-    tokens = random_tokens(cfg, BATCH_PER_RANK * n, seed=0)[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+    tokens = torch.randint(cfg.vocab_size, (BATCH_PER_RANK * n, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = tokens[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
     psi = sum(p.numel() for p in _model(cfg).parameters())
     mesh = torch_mesh("cpu", (n,))
     out = []
@@ -108,11 +160,16 @@ def _measure(quick: bool) -> list[dict]:
             pair = [(ours, opt_ours, t_ours), (theirs, opt_theirs, t_theirs)]
             for model, opt, times in pair if k % 2 == 0 else pair[::-1]:
                 times.append(_timed_step(model, opt, tokens, group))
+        live = []
+        for model, opt, buffers in ((ours, opt_ours, _plait_buffers), (theirs, opt_theirs, _torch_buffers)):
+            with LiveBytes(_state_tensors(model, opt) + buffers(model)) as counter:
+                _step(model, opt, tokens)
+            live.append(_max(counter.peak, group))
         ctx = ours._plait_fsdp_state.ctx
         ctx.peak_unsharded_bytes = 0
         with CommDebugMode() as mode:
-            lm_loss(ours(tokens), tokens).backward()
-        lm_loss(theirs(tokens), tokens).backward()
+            lm_loss(_forward(ours, tokens), tokens).backward()
+        lm_loss(_forward(theirs, tokens), tokens).backward()
         resident = (_resident(ours, opt_ours, group), _resident(theirs, opt_theirs, group))
         opt_ours.step(), opt_theirs.step()
         opt_ours.zero_grad(), opt_theirs.zero_grad()
@@ -126,7 +183,7 @@ def _measure(quick: bool) -> list[dict]:
             cpu=median([a[1] / b[1] for a, b in zip(t_ours, t_theirs)]),
             counts=dict(mode.get_comm_counts()), sent=mode.get_total_bytes(),
             psi=psi, padded=sum(g.world * g.total for g in groups),
-            resident=resident, peak=ctx.peak_unsharded_bytes,
+            resident=resident, peak=ctx.peak_unsharded_bytes, live=live,
             # resharding after forward: the root's buffer plus the current and the prefetched
             # group; without: every group stays unsharded from its forward to its backward
             peak_bound=root.unsharded_bytes + sum(others[-2:] if reshard else others),
@@ -136,7 +193,7 @@ def _measure(quick: bool) -> list[dict]:
 
 
 def run(quick: bool) -> None:
-    rows, mem_rows = [], []
+    rows, mem_rows, live_rows = [], [], []
     for world in WORLDS:
         for r in run_distributed(_measure, quick, world_size=world, timeout=3600)[0]:
             n, psi_bytes = r["n"], r["psi"] * 4
@@ -153,8 +210,15 @@ def run(quick: bool) -> None:
                 human_bytes(16 * psi_bytes / 4 / n), f"{r['resident'][0] / (16 * r['psi'] / n):.4f}",
                 human_bytes(r["peak"]), human_bytes(r["peak_bound"]),
             ])
+            formula = 16 * r["psi"] / n + r["peak_bound"]
+            live_rows.append([
+                n, r["reshard"], human_bytes(r["live"][0]), human_bytes(r["live"][1]),
+                f"{r['live'][0] / r['live'][1]:.2f}", human_bytes(formula),
+                human_bytes(r["live"][0] - formula), f"{r['live'][0] / formula:.2f}",
+            ])
     print_table(
-        "fully_shard step, GPT (4 x d256, vocab 1024, tied), per-block + root, AdamW, Gloo",
+        f"fully_shard step, Llama {CONFIG} (8 x d256, vocab 4096, Ψ 8.0M), seq {SEQ}, batch {BATCH_PER_RANK}/rank, "
+        "per-block + root, AdamW, Gloo",
         ["ranks", "reshard_after_forward", "plait ms", "torch ms", "plait/torch", "CPU plait/torch",
          "all-gathers / reduce-scatters", "plait bytes/rank/step", "bytes / (Ψ·4)", "3(N-1)/N or 2(N-1)/N",
          "bytes / (padded Ψ·4)"],
@@ -173,4 +237,17 @@ def run(quick: bool) -> None:
               "step), counted tensor by tensor after backward; the excess over 16Ψ/N is uneven chunks "
               "and AdamW's per-parameter step scalars. Peak bound: with resharding after forward, the root's "
               "buffer plus the two largest other groups (current + prefetched); without, every group.",
+    )
+    print_table(
+        "fully_shard peak live tensor bytes during a step (max over ranks)",
+        ["ranks", "reshard_after_forward", "plait peak", "torch peak", "plait/torch",
+         "16Ψ/N + unsharded bound", "plait peak - formula", "plait / formula"],
+        live_rows,
+        notes="benchmarks.live_bytes: every storage alive at once, at its current size, after each op of one "
+              "forward + backward + AdamW step, counted the same way for plait and torch; formula: 16Ψ/N plus "
+              "the root's and the two largest other groups' unsharded buffers (every group without resharding "
+              "after forward). The excess is what the formula leaves out: activations saved for backward, "
+              "temporaries (the (b, s, 4096) fp32 logits, their softmax and gradient: 4 MiB each at batch 2), "
+              "and the collectives' own buffers (an all-gather's output before its copy into the flat buffer, "
+              "the reduce-scatter input).",
     )

@@ -31,6 +31,7 @@ def test_readme_examples_run_under_plait_run(tmp_path):
         "pipeline": (_find(blocks, "Schedule1F1B"), 2),
         "fsdp": (_find(blocks, "from plait.fsdp import"), 2),
         "tp": (_find(blocks, 'parallelize_module(model, mesh["tp"], tp_plan())'), 4),
+        "fsdp_tp": (_find(blocks, 'fully_shard(block, mesh=mesh["dp"])'), 4),
     }
     failures = _run(jobs, tmp_path)
     # Gloo can abort a rank at interpreter exit after its work is done, when a Python reference

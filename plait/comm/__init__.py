@@ -11,9 +11,10 @@ size, numbers each op per group, and reports it to the listeners `plait.debug` i
     full = comm.all_gather(shard, group=g, dim=1, sizes=[3, 3, 2])
     h = comm.reduce_scatter(full, group=g, async_op=True); piece = h.wait()
     y = comm.autograd.all_gather(x, group=g)  # reduce-scatter in backward
+    y = comm.functional.all_reduce(x, g, "sum")  # traceable: inside torch.compile'd code
 """
 
-from plait.comm import autograd
+from plait.comm import autograd, functional
 from plait.comm.algorithms import choose as choose_algorithm
 from plait.comm.algorithms import set_algorithm
 from plait.comm.collectives import all_reduce, barrier, broadcast, reduce
@@ -45,7 +46,7 @@ from plait.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from plait.comm.work import Handle
 
 __all__ = [
-    "CommEvent", "CommListener", "GroupInfo", "Handle", "P2POp",
+    "CommEvent", "CommListener", "GroupInfo", "Handle", "P2POp", "functional",
     "add_listener", "all_gather", "all_reduce", "all_to_all", "autograd", "barrier",
     "batch_isend_irecv", "broadcast", "choose_algorithm", "default_backend",
     "destroy_process_group", "get_global_rank", "get_rank", "get_world_size", "global_rank",

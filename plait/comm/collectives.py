@@ -19,6 +19,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait.comm import _c10d, checks, events
+from plait.comm.eager import eager_only
 from plait.comm.group import GroupInfo, group_info
 from plait.comm.work import Handle, completed
 
@@ -84,6 +85,7 @@ def _local(result: Any, event: events.CommEvent | None, async_op: bool) -> Any:
     return handle if async_op else result
 
 
+@eager_only
 def all_reduce(tensor: torch.Tensor, *, group: ProcessGroup, op: str = "sum", async_op: bool = False) -> Any:
     """Reduce `tensor` across the group in place; every rank gets the result."""
     info = group_info(group)
@@ -98,6 +100,7 @@ def all_reduce(tensor: torch.Tensor, *, group: ProcessGroup, op: str = "sum", as
     return _end(work, lambda: tensor, event, async_op)
 
 
+@eager_only
 def broadcast(tensor: torch.Tensor, *, src: int, group: ProcessGroup, async_op: bool = False) -> Any:
     """Copy group rank `src`'s `tensor` into `tensor` on every rank, in place."""
     info = group_info(group)
@@ -114,6 +117,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group: ProcessGroup, async_op: 
     return _end(work, lambda: tensor, event, async_op)
 
 
+@eager_only
 def reduce(tensor: torch.Tensor, *, dst: int, group: ProcessGroup, op: str = "sum", async_op: bool = False) -> Any:
     """Reduce `tensor` across the group into group rank `dst`'s `tensor`, in place; the
     other ranks' tensors are left unspecified (c10d may use them as scratch)."""
@@ -134,6 +138,7 @@ def reduce(tensor: torch.Tensor, *, dst: int, group: ProcessGroup, op: str = "su
     return _end(work, lambda: tensor, event, async_op)
 
 
+@eager_only
 def barrier(*, group: ProcessGroup, async_op: bool = False) -> Any:
     """Return once every rank of the group has entered the barrier."""
     info = group_info(group)

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 
 from plait.comm import _c10d, algorithms, checks
 from plait.comm.collectives import _C10D_OPS, _begin, _end, _local, _nbytes
+from plait.comm.eager import eager_only
 from plait.comm.group import group_info
 
 
@@ -65,6 +66,7 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
+@eager_only
 def all_gather(
     tensor: torch.Tensor,
     *,
@@ -140,6 +142,7 @@ def all_gather(
     return _end(work, finish, event, async_op)
 
 
+@eager_only
 def reduce_scatter(
     tensor: torch.Tensor,
     *,
@@ -204,6 +207,7 @@ def reduce_scatter(
     return _end(work, lambda: _deliver(_unrows(buf.narrow(0, 0, mine), dim), out), event, async_op)
 
 
+@eager_only
 def all_to_all(
     tensor: torch.Tensor,
     *,

@@ -16,6 +16,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait.comm import _c10d, checks, events
+from plait.comm.eager import eager_only
 from plait.comm.group import GroupInfo, group_info
 from plait.comm.work import Handle
 
@@ -64,6 +65,7 @@ def _prepare(kind: str, tensor: torch.Tensor, peer: int, group: ProcessGroup) ->
     return info, wire
 
 
+@eager_only
 def isend(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> Handle:
     """Start sending `tensor` to group rank `dst`; don't modify it until the handle completes."""
     info, wire = _prepare("send", tensor, dst, group)
@@ -72,6 +74,7 @@ def isend(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> Handle:
     return Handle(work, lambda keep=wire: None, event)  # keep the wire copy alive until done
 
 
+@eager_only
 def irecv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> Handle:
     """Start receiving into `tensor` from group rank `src`; the handle's result is `tensor`."""
     info, wire = _prepare("recv", tensor, src, group)
@@ -80,6 +83,7 @@ def irecv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> Handle:
     return Handle(work, lambda: tensor, event)
 
 
+@eager_only
 def send(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> None:
     """Send `tensor` to group rank `dst` and wait until it has left."""
     info, wire = _prepare("send", tensor, dst, group)
@@ -88,6 +92,7 @@ def send(tensor: torch.Tensor, *, dst: int, group: ProcessGroup) -> None:
     Handle(None, lambda: None, event).wait()
 
 
+@eager_only
 def recv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> torch.Tensor:
     """Receive into `tensor` from group rank `src`; return it."""
     info, wire = _prepare("recv", tensor, src, group)
@@ -96,6 +101,7 @@ def recv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> torch.Tensor
     return Handle(None, lambda: tensor, event).wait()
 
 
+@eager_only
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Handle]:
     """Start every op of the batch together (coalesced where the backend can) and return
     one handle per op, in order. Every op of a batch must use the same group."""

@@ -9,7 +9,8 @@
 Files: `buckets` (grouping, flat buffers, GradBucket), `reducer` (hooks, overlap, end of
 backward), `graph` (output pre-hooks, unused-parameter walk), `sync` (start-up and buffer
 broadcasts), `replica` (what happens around forward), `distributed` / `replicate` (the two
-front doors), `join` (uneven inputs), `comm_hooks` (fp16/bf16/PowerSGD).
+front doors), `compiled` (under torch.compile: the module split at bucket boundaries),
+`join` (uneven inputs), `comm_hooks` (fp16/bf16/PowerSGD).
 """
 
 from plait.ddp import comm_hooks

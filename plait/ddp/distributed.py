@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.distributed import ProcessGroup
 
 from plait import comm
@@ -93,9 +94,16 @@ class DistributedDataParallel(nn.Module):
         synchronized at start-up nor reduced. Call before wrapping."""
         module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)
 
+    # Not traced by dynamo (its callees are): under torch.compile the module is compiled in
+    # bucket-sized pieces so that all-reduces overlap the compiled backward (ddp/compiled.py).
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        callback = get_eval_frame_callback()  # a C call: no frame for dynamo to trace
         inputs, kwargs = self._state.pre_forward(inputs, kwargs)
-        return self._state.post_forward(self.module(*inputs, **kwargs))
+        run = self._state.compile.compiled_for(self.module, callback) if callback else None
+        if run is None:
+            run = self.module
+        return self._state.post_forward(run(*inputs, **kwargs))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

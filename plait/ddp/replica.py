@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from plait import comm
 from plait.ddp import shards, sync
 from plait.ddp.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MiB
+from plait.ddp.compiled import BucketedCompile
 from plait.ddp.graph import watch_outputs
 from plait.ddp.join import Join, Joinable, JoinHook
 from plait.ddp.reducer import Reducer
@@ -82,6 +83,8 @@ class ReplicaState(Joinable):
             states = [(n, shards.local(t)) for n, t in states]  # DTensors: their local shards
             sync.verify_shapes(states, group)
             sync.broadcast_coalesced([t for _, t in states], src=0, group=group)
+        self.compile = BucketedCompile(caps)  # the module split at buckets, under torch.compile
+        self.forward: Callable | None = None  # replicate: the module's own (class) forward
         self.reducer = Reducer(trained, group, caps=caps, find_unused_parameters=find_unused_parameters,
                                static_graph=static_graph, gradient_as_bucket_view=gradient_as_bucket_view)
 
@@ -91,6 +94,9 @@ class ReplicaState(Joinable):
 
     # -- around forward ---------------------------------------------------------------
 
+    # Both run eager even when the forward is compiled: bookkeeping (hooks, handles, the
+    # door's events) has nothing to give a graph, and traced it would break the graph.
+    @torch._disable_dynamo
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         grad_enabled = torch.is_grad_enabled()
         self.reducer.prepare_for_forward(grad_enabled and self.require_backward_grad_sync)
@@ -110,6 +116,7 @@ class ReplicaState(Joinable):
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs))
         return args, kwargs
 
+    @torch._disable_dynamo
     def post_forward(self, output: Any) -> Any:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.distributed import ProcessGroup
 
 from plait.ddp.distributed import resolve_group
@@ -32,6 +33,17 @@ _STATE = "_replicate_state"
 
 class _Replicated:
     """Methods a replicated module gains (first in its new class's MRO)."""
+
+    # Not traced by dynamo: under torch.compile the module's own forward is compiled in
+    # bucket-sized pieces so that all-reduces overlap the compiled backward (ddp/compiled.py).
+    @torch._disable_dynamo(recursive=False)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        callback = get_eval_frame_callback()  # a C call: no frame for dynamo to trace
+        state = getattr(self, _STATE)
+        run = state.compile.compiled_for(state.forward, callback) if callback else None
+        if run is None:
+            run = state.forward
+        return run(*args, **kwargs)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: the following backward passes accumulate gradients without communication."""
@@ -113,6 +125,7 @@ def replicate(
         gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, device_ids=device_ids,
     )
     module.__dict__[_STATE] = state  # not a submodule or parameter: the state dict is unchanged
+    state.forward = module.forward  # its own forward (an instance override included), before the class changes
     module.register_forward_pre_hook(lambda _m, args, kwargs: state.pre_forward(args, kwargs), with_kwargs=True)
     module.register_forward_hook(lambda _m, _args, output: state.post_forward(output))
     cls = type(module)

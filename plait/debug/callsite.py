@@ -3,7 +3,9 @@
     comm.all_reduce <- plait/ddp/reducer.py (hook) <- torch/autograd <- train.py:42 loss.backward()
     call_site() -> ("train.py", 42, "main")
 
-"User code" is everything but plait's library layers, torch and the standard library, so
+"User code" is everything but plait's library layers, torch, the code torch generates (FX
+graphs, Inductor's kernel files: a compiled graph's collectives run there) and the
+standard library, so
 a collective issued by DDP's hook, a DTensor op or torch's `all_gather_object` is placed
 at the script line that caused it. Frames are classified once per code object (one dict
 lookup per frame afterwards): the default flight recorder takes a call site for every op.
@@ -31,6 +33,11 @@ _TORCH = os.path.dirname(os.path.abspath(_torch_spec.origin)) if _torch_spec and
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__))
 _OURS = tuple(os.path.join(_PLAIT, name) for name in ("comm", "debug"))
 
+# code torch generates: frozen modules, FX graphs (a compiled graph's collectives run in one)
+# and Inductor's kernels file, which lives under its cache folder, torchinductor_<user>
+_GENERATED = ("<frozen", "<eval_with_key")
+_INDUCTOR_CODE = f"{os.sep}torchinductor_"
+
 _internal: dict[CodeType, bool] = {}
 
 
@@ -39,7 +46,8 @@ def _is_internal(code: CodeType) -> bool:
     if known is None:
         name = code.co_filename
         known = (
-            name.startswith(_LIBRARY) or name.startswith(_TORCH) or name.startswith("<frozen")
+            name.startswith(_LIBRARY) or name.startswith(_TORCH) or name.startswith(_GENERATED)
+            or _INDUCTOR_CODE in name
             or (name.startswith(_STDLIB) and "-packages" not in name)
         )
         _internal[code] = known

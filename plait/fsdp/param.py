@@ -15,6 +15,16 @@ S[d] rows of the N*P padded rows: the unsharded view is a prefix, the padding ne
 The gradient goes the other way: the unsharded .grad, in rows layout, fills the same prefix
 of the reduce-scatter input (padding zero), and rank r's reduced piece lands in the
 sharded .grad as a DTensor with the parameter's spec.
+
+Over tensor parallel (the original parameter is a DTensor on mesh["tp"], FSDP's mesh is
+mesh["dp"] of the same root mesh), everything above runs on the TP-local tensor: S is its
+shape, the all-gather over dp rebuilds it, the unsharded parameter is a DTensor on
+mesh["tp"] with TP's spec (what the TP styles expect), and its gradient is first moved to
+TP's placements (a Partial gradient of a Replicate weight under sequence parallel is
+all-reduced over tp, as torch's FSDP does) before its local tensor is reduce-scattered over
+dp. The sharded parameter is a DTensor on the (dp, tp) mesh with placements (Shard(d), TP's
+placement), d never a dim TP shards (fully_shard picks it), so the two shardings are
+independent and the dp piece is a plain block of the global tensor.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from torch import nn
 
 from plait.device_mesh import DeviceMesh
 from plait.tensor import DTensor, Replicate, Shard
-from plait.tensor.placement import chunk_offset, contiguous_strides
+from plait.tensor.placement import Placement, chunk_offset, contiguous_strides
 from plait.tensor.spec import DTensorSpec
 
 
@@ -46,28 +56,35 @@ class FSDPParam:
     ) -> None:
         self.sites = sites
         self.fqn = sites[0][1]  # the full dotted name is set when the root initialises
-        self.shape = tuple(param.shape)
+        self.shape = tuple(param.shape)  # global (over TP too)
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        source = param._local_tensor if isinstance(param, DTensor) else param  # TP-local
+        shape = tuple(source.shape)
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.dim = placement.dim % max(param.dim(), 1)
         n, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         self.world = n
-        self.rows = self.shape[self.dim]
-        self.rest = self.shape[: self.dim] + self.shape[self.dim + 1:]  # the other dims, in order
+        self.rows = shape[self.dim]
+        self.rest = shape[: self.dim] + shape[self.dim + 1:]  # the other dims, in order
         self.row_numel = math.prod(self.rest)
         self.numel = self.rows * self.row_numel
         self.pad_rows = -(-self.rows // n)
         self.padded_numel = self.pad_rows * self.row_numel  # per rank, in the flat buffers
         self.local_rows, start = chunk_offset(self.rows, n, rank)
 
-        local = param.detach().narrow(self.dim, start, self.local_rows)
+        local = source.detach().narrow(self.dim, start, self.local_rows)
         if not local.is_meta and local.device != shard_device:
             local = local.to(shard_device)
         local = local.contiguous().clone() if not local.is_meta else torch.empty_like(local.contiguous())
         if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
             local = local.pin_memory()
-        placements = (Shard(self.dim),) if mesh.ndim == 1 else (Replicate(), Shard(self.dim))
-        spec = DTensorSpec(mesh, placements, self.shape, contiguous_strides(self.shape), param.dtype)
+        if self.tp_spec is not None:
+            spec_mesh, placements = dp_tp_layout(mesh, self.tp_spec, Shard(self.dim))
+        else:
+            spec_mesh = mesh
+            placements = (Shard(self.dim),) if mesh.ndim == 1 else (Replicate(), Shard(self.dim))
+        spec = DTensorSpec(spec_mesh, placements, self.shape, contiguous_strides(self.shape), param.dtype)
         self.sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None  # created at the first unshard, kept after
         self.acc_grad: torch.Tensor | None = None  # unsharded grads kept in reduce_dtype across no-sync steps
@@ -119,6 +136,15 @@ class FSDPParam:
         view = block[: self.numel].view(self.rows, *self.rest)  # (rows, *rest)
         if self.dim != 0:
             view = view.movedim(0, self.dim)  # back to the parameter's shape, strided
+        if self.tp_spec is not None:
+            # a DTensor leaf on mesh["tp"]; autograd saves the wrapper, whose version counter
+            # is its own, while its local tensor stays a view of the refilled flat buffer
+            # (bind runs again only for a new buffer or dtype, so a new leaf is right then)
+            spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements, self.tp_spec.shape,
+                               self.tp_spec.stride, view.dtype)
+            self.unsharded = nn.Parameter(DTensor(view, spec, requires_grad=False),
+                                          requires_grad=self.requires_grad)
+            return
         if self.unsharded is None:
             # .data keeps the Parameter's own version counter: refilling the flat buffer in
             # place does not look like an in-place change of a tensor saved for backward
@@ -130,7 +156,7 @@ class FSDPParam:
         """Write the unsharded gradient (plus any accumulated one) into `dst` (world,
         padded_numel), a strided column block of the reduce-scatter input whose padding is
         zero already. Returns False when there is no gradient."""
-        grad = None if self.unsharded is None else self.unsharded.grad
+        grad = self._unsharded_grad()
         if grad is None and self.acc_grad is None:
             return False
         if grad is not None:
@@ -149,12 +175,26 @@ class FSDPParam:
 
     def accumulate_unsharded(self, dtype: torch.dtype) -> None:
         """Keep this step's unsharded gradient (no gradient sync) in `dtype`, in rows layout."""
-        grad = None if self.unsharded is None else self.unsharded.grad
-        if grad is None or grad.dtype == dtype:
+        grad = self._unsharded_grad()
+        if grad is None or (grad.dtype == dtype and self.tp_spec is None):
             return  # autograd accumulates into .grad itself
         rows = (grad if self.dim == 0 else grad.movedim(self.dim, 0)).reshape(-1).to(dtype)
         self.acc_grad = rows if self.acc_grad is None else self.acc_grad.add_(rows)
         self.unsharded.grad = None
+
+    def _unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient as a plain tensor of the (TP-local) shape; a DTensor one
+        is moved to TP's placements first (Partial -> all-reduce over tp)."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if grad is None or self.tp_spec is None:
+            return grad
+        if not isinstance(grad, DTensor):
+            raise TypeError(f"parameter {self.fqn!r} is tensor-parallel but got a {type(grad).__name__} "
+                            "gradient; expected a DTensor on its tp mesh")
+        if grad._spec.placements != self.tp_spec.placements:
+            with torch.no_grad():
+                grad = grad.redistribute(self.tp_spec.mesh, self.tp_spec.placements)
+        return grad._local_tensor
 
     def clear_grad(self) -> None:
         if self.unsharded is not None:
@@ -176,4 +216,17 @@ class FSDPParam:
             grad._local_tensor.add_(local)
 
 
-__all__ = ["FSDPParam"]
+def dp_tp_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dp_placement: Shard) \
+        -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh over both axes and the placements, in that mesh's axis order, of a parameter
+    TP lays out as `tp_spec` and FSDP shards over `dp_mesh` with `dp_placement`."""
+    tp_mesh = tp_spec.mesh
+    root = dp_mesh._root
+    names = [dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]]
+    order = sorted(range(2), key=lambda i: root.mesh_dim_names.index(names[i]))
+    mesh = root[tuple(names[i] for i in order)]
+    by_axis = (dp_placement, tp_spec.placements[0])
+    return mesh, tuple(by_axis[i] for i in order)
+
+
+__all__ = ["FSDPParam", "dp_tp_layout"]

@@ -11,6 +11,7 @@ redistribute are autograd Functions (conversions.py) whose backward is the rever
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -160,6 +161,20 @@ class DTensor(torch.Tensor):
     def __tensor_flatten__(self):
         return ["_local_tensor"], _FlatMeta(self._spec.mesh, self._spec.placements, self.requires_grad)
 
+    def _stable_hash_for_caching(self) -> str:
+        """AOTAutograd's cache key for a DTensor input: everything a compiled graph depends on
+        (global and local metadata, placements, the mesh's ranks and process groups, whose
+        names the graph's collectives carry). Without it, torch pickles the flatten
+        metadata, fails on the mesh's process groups, and warns at every compile."""
+        spec, local = self._spec, self._local_tensor
+        mesh = spec.mesh
+        groups = tuple(mesh.get_group(axis).group_name for axis in range(mesh.ndim))
+        key = (type(self).__qualname__, tuple(self.shape), tuple(self.stride()), str(self.dtype),
+               self.requires_grad, repr(spec.placements), tuple(mesh.shape), mesh.mesh_dim_names,
+               tuple(mesh.mesh.flatten().tolist()), groups, tuple(local.shape), tuple(local.stride()),
+               str(local.dtype), str(local.device))
+        return hashlib.sha256(repr(key).encode()).hexdigest()
+
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
         local = inner_tensors["_local_tensor"]
@@ -201,8 +216,21 @@ class _FlatMeta:
     def __deepcopy__(self, memo: dict) -> _FlatMeta:
         return self
 
+    def __reduce__(self) -> tuple:
+        # torch's AOTAutograd cache pickles compiled graphs with this metadata: the mesh goes
+        # by its ranks and names (its process groups cannot be pickled) and comes back as an
+        # equal mesh over the same groups (new_group returns the one this process made)
+        m = self.mesh
+        return (_restore_flat_meta, (m.device_type, m.mesh.tolist(), m.mesh_dim_names, self.placements,
+                                     self.requires_grad))
+
     def __repr__(self) -> str:
         return f"DTensorMeta({list(self.placements)}, requires_grad={self.requires_grad})"
+
+
+def _restore_flat_meta(device_type: str, ranks: list, names: tuple[str, ...] | None,
+                       placements: tuple[Placement, ...], requires_grad: bool) -> _FlatMeta:
+    return _FlatMeta(DeviceMesh(device_type, ranks, mesh_dim_names=names), placements, requires_grad)
 
 
 def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:

@@ -15,6 +15,7 @@ from plait.tensor import fallback
 from plait.tensor import redistribute as redist
 from plait.tensor.dispatch import Plan
 from plait.tensor.dtensor import DTensor
+from plait.tensor.foreach_meshes import ByMeshPlan, is_foreach
 from plait.tensor.ops import RULES, OpCall
 from plait.tensor.spec import DTensorSpec, same_mesh
 
@@ -49,6 +50,8 @@ def build(op, args, kwargs, dts: list[DTensor]) -> Plan:
     mesh = specs[0].mesh
     for s in specs[1:]:
         if not same_mesh(s.mesh, mesh):
+            if is_foreach(op):
+                return ByMeshPlan(op)  # elementwise over lists: one call per mesh
             raise ValueError(f"{op}: DTensor args live on different meshes, {mesh} and {s.mesh}")
     positions = _positions(args, kwargs)
     written, returns = _aliasing(op, positions)

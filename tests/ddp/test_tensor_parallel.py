@@ -154,3 +154,35 @@ def test_dtensor_params_spread_over_dp_are_refused():
         DistributedDataParallel(model, device_mesh=mesh)
     with pytest.raises(ValueError, match="weight is a DTensor"):
         replicate(model, device_mesh=mesh)
+
+
+@distributed([4])
+@pytest.mark.parametrize("front", ["ddp", "replicate"])
+def test_no_sync_accumulates_tp_gradients_then_reduces_the_sum(front):
+    """Two micro-batches per dp rank, the first under no_sync: the gradients (DTensors,
+    `scale`'s Partial over tp) accumulate locally, and the synced backward reduces their
+    sum. Expected: the single-process gradient of the summed losses over the whole batch,
+    divided by the dp size. Tolerance atol 1e-6, rtol 1e-5 (float32, one backward)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, n_dp = mesh.get_local_rank("dp"), mesh.size("dp")
+    model = _tensor_parallel(_build(seed=0), mesh["tp"])
+    ref = _build(seed=0)
+    if front == "ddp":
+        dp = DistributedDataParallel(model, device_mesh=mesh["dp"], find_unused_parameters=True)
+    else:
+        dp = replicate(model, device_mesh=mesh["dp"], find_unused_parameters=True)
+    x, y = _batch(0, 2 * n_dp * PER_DP)
+    micro = [slice((2 * dp_rank + k) * PER_DP, (2 * dp_rank + k + 1) * PER_DP) for k in range(2)]
+    with dp.no_sync():
+        F.cross_entropy(dp(x[micro[0]]), y[micro[0]]).backward()
+    assert model.fc1.weight.grad is not None
+    F.cross_entropy(dp(x[micro[1]]), y[micro[1]]).backward()
+    for r in range(n_dp):  # the reference: every rank's two micro-batch losses, / n_dp
+        for k in range(2):
+            rows = slice((2 * r + k) * PER_DP, (2 * r + k + 1) * PER_DP)
+            (F.cross_entropy(ref(x[rows]), y[rows]) / n_dp).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if name.startswith("unused"):
+            continue
+        assert p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-5, msg=name)

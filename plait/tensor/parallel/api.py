@@ -9,6 +9,10 @@ Every check runs before any style is applied (so before anything is sent): the m
 1-D, every pattern matches at least one submodule (else the error names the pattern and
 the closest FQNs), and every style can handle each module it matches. Entries are then
 applied in plan order, matches in module registration order (torch's order).
+
+Where plait is stricter than torch: torch warns and skips an entry that matches nothing
+(a typo then trains an unsharded layer); plait raises. Without a device_mesh torch takes
+the enclosing `with mesh:`; plait, which has no mesh context, takes a 1-D mesh of all ranks.
 """
 
 from __future__ import annotations

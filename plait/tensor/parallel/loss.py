@@ -35,6 +35,7 @@ from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 
 from plait import comm
+from plait.tensor import traced
 from plait.tensor.conversions import redistribute_local
 from plait.tensor.dtensor import DTensor, wrap
 from plait.tensor.placement import Replicate, Shard
@@ -62,11 +63,22 @@ class _LossParallelMode(TorchFunctionMode):
         elif func is F.log_softmax or func is torch.log_softmax or func is torch.Tensor.log_softmax:
             x = args[0] if args else kwargs.get("input")
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if isinstance(x, DTensor) and isinstance(dim, int) and x.ndim:
-                axis = _class_axis(x, dim, strict=False)
-                if axis is not None and kwargs.get("dtype") is None and len(args) <= 2:
-                    return _LogSoftmax.apply(x, dim % x.ndim, axis)
+            if isinstance(x, DTensor) and isinstance(dim, int) and x.ndim and _sharded_on(x, dim % x.ndim) \
+                    and kwargs.get("dtype") is None and len(args) <= 2:
+                return _log_softmax(x, dim % x.ndim)
         return func(*args, **kwargs)
+
+
+def _all_reduce(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """In place through plait.comm eagerly; c10d's functional op while torch.compile traces."""
+    if traced.is_traced(t):
+        return traced.all_reduce(t, group, op)
+    comm.all_reduce(t, group=group, op=op)
+    return t
+
+
+def _sharded_on(x: DTensor, dim: int) -> bool:
+    return any(isinstance(p, Shard) and p.dim == dim for p in x.placements)
 
 
 def _class_axis(x: DTensor, dim: int, *, strict: bool = True) -> int | None:
@@ -94,6 +106,7 @@ def _plain(t, x: DTensor, what: str) -> torch.Tensor | None:
     return t.to_local()
 
 
+@torch._dynamo.allow_in_graph  # one node in a compiled graph (checks included); AOTAutograd traces it
 def _loss(is_nll: bool, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
           reduction="mean", label_smoothing=0.0):
     if size_average is not None or reduce is not None:
@@ -119,6 +132,11 @@ def _loss(is_nll: bool, input, target, weight=None, size_average=None, ignore_in
     return _CrossEntropy.apply(input, target.to(input.device), weight, opts)
 
 
+@torch._dynamo.allow_in_graph
+def _log_softmax(x: DTensor, dim: int) -> DTensor:
+    return _LogSoftmax.apply(x, dim, _class_axis(x, dim))
+
+
 class _CrossEntropy(torch.autograd.Function):
     """Cross-entropy (or nll) on class-sharded logits: all-reduces in forward, none in backward."""
 
@@ -138,17 +156,17 @@ class _CrossEntropy(torch.autograd.Function):
             logp = xl
         else:
             m = xl.amax(-1, keepdim=True) if vr else xl.new_full((xl.shape[0], 1), -torch.inf)
-            comm.all_reduce(m, group=group, op="max")
+            m = _all_reduce(m, group, "max")
             m = torch.where(torch.isfinite(m), m, 0.0)
             sumexp = (xl - m).exp().sum(-1, keepdim=True)
-            comm.all_reduce(sumexp, group=group)
+            sumexp = _all_reduce(sumexp, group)
             logp = xl - (m + sumexp.log())  # (M, V_r)
         wlogp = logp if w_loc is None else logp * w_loc
         if target.is_floating_point():
             q = target.to(dtype).movedim(class_dim, -1).reshape(samples, n_classes)[:, lo:lo + vr]
             q = q * (1 - eps) + eps / n_classes
             both = torch.stack([(wlogp * q).sum(-1), (q if w_loc is None else q * w_loc).sum(-1)], -1)
-            comm.all_reduce(both, group=group)
+            both = _all_reduce(both, group)
             per, scale = -both[:, 0], both[:, 1]  # loss_i, sum_c w_c q_c
             total = torch.tensor(float(per.numel()), dtype=dtype)
             valid = None
@@ -161,10 +179,10 @@ class _CrossEntropy(torch.autograd.Function):
             picked = logp.gather(-1, idx).squeeze(-1) * mine if vr else logp.new_zeros(st.shape)
             if eps:
                 both = torch.stack([picked, wlogp.sum(-1)], -1)
-                comm.all_reduce(both, group=group)
+                both = _all_reduce(both, group)
                 picked, smooth = both[:, 0], both[:, 1]
             else:
-                comm.all_reduce(picked, group=group)
+                picked = _all_reduce(picked, group)
                 smooth = None
             w_t = (torch.ones_like(picked) if w_full is None else w_full[st]) * valid
             per = -(1 - eps) * w_t * picked
@@ -234,10 +252,10 @@ class _LogSoftmax(torch.autograd.Function):
         group = spec.mesh.get_group(axis)
         xl = x._local_tensor.to(torch.promote_types(x.dtype, torch.float32))
         m = xl.amax(dim, keepdim=True) if xl.shape[dim] else xl.sum(dim, keepdim=True) - torch.inf
-        comm.all_reduce(m, group=group, op="max")
+        m = _all_reduce(m, group, "max")
         m = torch.where(torch.isfinite(m), m, 0.0)
         s = (xl - m).exp().sum(dim, keepdim=True)
-        comm.all_reduce(s, group=group)
+        s = _all_reduce(s, group)
         out = (xl - m - s.log()).to(x.dtype)
         ctx.save_for_backward(out)
         ctx.meta = (spec, dim, group)
@@ -249,7 +267,7 @@ class _LogSoftmax(torch.autograd.Function):
         spec, dim, group = ctx.meta
         g = grad._local_tensor if grad.placements == spec.placements else redistribute_local(grad, spec.placements)
         total = g.to(torch.float32).sum(dim, keepdim=True)
-        comm.all_reduce(total, group=group)
+        total = _all_reduce(total, group)
         return wrap((g - out.float().exp() * total).to(spec.dtype), spec), None, None
 
 

@@ -50,3 +50,45 @@ def test_compiled_block_matches_eager_without_graph_breaks(world_size, sp):
     torch.testing.assert_close(got, want, **TOL)
     for g, w in zip(_grads(block), _grads(eager_block)):
         torch.testing.assert_close(g, w, **TOL)
+
+
+@distributed([2], timeout=300)
+def test_compiled_loss_parallel_matches_eager_without_graph_breaks():
+    """A vocab-parallel head and loss_parallel inside the compiled function."""
+    import torch.nn.functional as F
+
+    from plait.tensor import Replicate
+    from plait.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    from .test_loss import TinyLM
+
+    mesh = init_device_mesh("cpu", (2,))
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)}
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(parallelize_module(TinyLM(), mesh, plan))
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 11, (2, 6), generator=g), torch.randint(0, 11, (2, 6), generator=g)
+
+    def step(model, ids, labels):
+        with loss_parallel():
+            return F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+
+    want = step(models[0], ids, labels)
+    want.backward()
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(models[1], ids, labels)
+    got.backward()
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    torch.testing.assert_close(got.full_tensor(), want.full_tensor(), **TOL)
+    for g_, w in zip(_grads(models[1]), _grads(models[0])):
+        torch.testing.assert_close(g_, w, **TOL)

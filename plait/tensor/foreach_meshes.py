@@ -1,0 +1,60 @@
+"""Foreach ops over DTensors on several meshes: one call per mesh.
+
+    _foreach_op([a0, a1, a2], [b0, b1, b2], scalar)    a0, a2 on mesh M; a1 on mesh K
+      -> _foreach_op([a0, a2], [b0, b2], scalar)  on M  (planned and run as usual)
+      -> _foreach_op([a1], [b1], scalar)          on K
+      -> outputs (if any) put back in the original order
+
+A foreach op is elementwise over its lists: element i of every list only meets element i
+of the others, so the lists split by element without changing any result. An optimizer
+meets this whenever its parameters live on different meshes: FSDP over tensor parallel
+leaves the parameters TP did not touch on mesh["dp"] while the others are on the (dp,
+tp) mesh, and torch.optim groups tensors by device and dtype only. Element i's mesh is
+that of the first DTensor at index i of any list argument; inside one mesh group the
+usual rule checks that every element agrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from plait.tensor.dtensor import DTensor
+
+
+def is_foreach(op) -> bool:
+    return op.__name__.startswith("_foreach_")
+
+
+class ByMeshPlan:
+    """A plan for one foreach call signature whose lists span several meshes."""
+
+    fast = None
+
+    def __init__(self, op) -> None:
+        self.op = op
+
+    def run(self, args: tuple, kwargs: dict, dts: list[DTensor]):
+        n = next(len(a) for a in args if _is_list(a))
+        groups: dict[object, list[int]] = {}
+        for i in range(n):
+            mesh = next((a[i]._spec.mesh for a in args if _is_list(a) and len(a) == n
+                         and isinstance(a[i], DTensor)), None)
+            groups.setdefault(mesh, []).append(i)
+        results: list = [None] * n
+        any_out = False
+        for idx in groups.values():
+            sub = tuple([a[i] for i in idx] if _is_list(a) and len(a) == n else a for a in args)
+            sub_kwargs = {k: [v[i] for i in idx] if _is_list(v) and len(v) == n else v for k, v in kwargs.items()}
+            out = self.op(*sub, **sub_kwargs)
+            if out is not None and not (isinstance(out, Sequence) and len(out) == 0):
+                any_out = True
+                for i, o in zip(idx, out):
+                    results[i] = o
+        return results if any_out else None
+
+
+def _is_list(a) -> bool:
+    return isinstance(a, (list, tuple))
+
+
+__all__ = ["ByMeshPlan", "is_foreach"]

@@ -1,0 +1,203 @@
+"""FSDP over tensor parallel on a 2x2 (dp, tp) mesh trains like one process.
+
+The Llama "tiny" config under its canonical plan on mesh["tp"] (TP alone and TP+SP,
+untied and tied embeddings), then fully_shard per block and the root on mesh["dp"]:
+every parameter is a DTensor on the (dp, tp) mesh with placements (Shard(d), TP's) where
+d is a dim TP leaves whole (dim 1 for colwise weights and the vocab-sharded embedding /
+output, dim 0 for rowwise weights and SP norms); the norms TP alone leaves plain become
+Shard(0) DTensors on mesh["dp"], and one AdamW (foreach) steps on both kinds. dp rank r trains rows [2r, 2r+2) of a
+global batch of 4 sequences; the single-process reference trains all 4. The mean of the
+two dp losses is the reference's loss (equal halves), every step.
+
+Tolerances are those of tests/models/test_llama_tp.py's fp32 parity (TP alone already
+reorders every contraction; FSDP adds only an average of two dp halves in another
+order): loss atol 1e-6 / rtol 1e-5 every step; parameters after 10 AdamW steps of lr
+1e-2 every element within 1e-3 (a tenth of what ten steps can move a weight), 95% within
+atol 1e-5 / rtol 1e-4. A dp piece gathered into the wrong place, a grad not averaged
+over dp or a Partial grad not reduced over tp moves most elements by O(lr).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait import comm
+from plait.device_mesh import init_device_mesh
+from plait.fsdp import fully_shard
+from plait.models.llama import parallelize_llama
+from plait.tensor import DTensor, Replicate, Shard
+from plait.testing import distributed
+from tests.models.test_llama_tp import FP32, assert_params_match, build, full, lm_loss, tokens
+
+STEPS = 10
+
+
+def _fsdp_tp(mesh, *, sp: bool, tie: bool, seed: int = 0):
+    model = parallelize_llama(build("tiny", tie=tie, seed=seed), mesh["tp"], sequence_parallel=sp)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _train(model, dp_rank: int | None, steps: int = STEPS, clip: float | None = None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    losses, norms = [], []
+    for step in range(steps):
+        tok = tokens(step, 4, model.args.vocab_size)
+        if dp_rank is not None:
+            tok = tok[2 * dp_rank:2 * dp_rank + 2]
+        loss = lm_loss(model(tok[:, :-1]), tok)
+        loss.backward()
+        if clip is not None:
+            norms.append(float(full(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(full(loss.detach())))
+    return torch.tensor(losses), torch.tensor(norms)
+
+
+def _dp_mean(t: torch.Tensor, mesh) -> torch.Tensor:
+    t = t.clone()
+    comm.all_reduce(t, group=mesh["dp"].get_group(), op="avg")
+    return t
+
+
+@distributed([4], timeout=400)
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_fsdp_over_tp_trains_like_one_process(sp, tie):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model, ref = _fsdp_tp(mesh, sp=sp, tie=tie), build("tiny", tie=tie)
+    attn = model.layers["0"].attention
+    assert attn.wq.weight.placements == (Shard(1), Shard(0))  # colwise: dp takes dim 1
+    assert attn.wo.weight.placements == (Shard(0), Shard(1))  # rowwise: dp takes dim 0
+    norm = model.layers["0"].ffn_norm.weight  # SequenceParallel makes it a Replicate DTensor on tp
+    assert norm.placements == ((Shard(0), Replicate()) if sp else (Shard(0),)), norm.placements
+    assert attn.wq.weight.device_mesh.mesh_dim_names == ("dp", "tp")
+    if tie:
+        assert model.output.weight is model.tok_embeddings.weight
+    assert_params_match(model, ref, dict(FP32, bound=dict(atol=0, rtol=0), outliers=0), "after sharding")
+    got, _ = _train(model, dp_rank)
+    want, _ = _train(ref, None)
+    torch.testing.assert_close(_dp_mean(got, mesh), want, **FP32["loss"])
+    assert_params_match(model, ref, dict(FP32, bound=dict(atol=1e-3, rtol=1e-4)), f"after {STEPS} AdamW steps")
+
+
+@distributed([4], timeout=400)
+def test_fsdp_over_tp_state_dict_round_trip_and_clip_grad_norm():
+    """state_dict: 2-D DTensors under the original names whose full_tensor() is the
+    reference's; a fresh FSDP+TP model loads it (copying) and equals the first; clipping
+    (max norm 0.5, below the gradients' norm so it always clips) gives the reference's
+    total norm every step (rtol 1e-5: the norm sums squares over dp and tp pieces in
+    another order) and the training still matches."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model, ref = _fsdp_tp(mesh, sp=True, tie=False), build("tiny")
+    got, got_norms = _train(model, dp_rank, steps=4, clip=0.5)
+    want, want_norms = _train(ref, None, steps=4, clip=0.5)
+    torch.testing.assert_close(_dp_mean(got, mesh), want, **FP32["loss"])
+    torch.testing.assert_close(got_norms, want_norms, rtol=1e-5, atol=1e-6)
+    assert (want_norms > 0.5).all(), want_norms
+
+    sd = model.state_dict()
+    ref_sd = ref.state_dict()
+    assert set(sd) == set(ref_sd), sorted(set(sd) ^ set(ref_sd))
+    for fqn, value in sd.items():
+        assert isinstance(value, DTensor) and value.device_mesh.ndim == 2, fqn
+        torch.testing.assert_close(value.full_tensor(), ref_sd[fqn], atol=1e-3, rtol=1e-4, msg=fqn)
+    fresh = _fsdp_tp(mesh, sp=True, tie=False, seed=7)
+    fresh.load_state_dict(sd)
+    for (fqn, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert a.placements == b.placements, fqn
+        torch.testing.assert_close(b._local_tensor, a._local_tensor, atol=0, rtol=0, msg=fqn)
+    a, _ = _train(model, dp_rank, steps=2)
+    b, _ = _train(fresh, dp_rank, steps=2)
+    torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+@distributed([4])
+def test_fsdp_over_tp_bad_meshes_are_refused_before_anything_is_sent():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_llama(build("tiny"), mesh["tp"], sequence_parallel=False)
+    with pytest.raises(ValueError, match=r"'weight' of Linear is a DTensor on .*slice both from one 2-D mesh"):
+        fully_shard(model.layers["0"], mesh=mesh["tp"])
+    with pytest.raises(NotImplementedError, match=r"shard_placement_fn asks to shard 'weight' on dim 0"):
+        fully_shard(model.layers["0"].attention.wq, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(0))
+    with pytest.raises(NotImplementedError, match=r"HSDP over tensor parallel"):
+        fully_shard(model.layers["1"], mesh=mesh)
+    bias = torch.nn.Linear(4, 4)
+    from plait.tensor.parallel import ColwiseParallel, parallelize_module
+
+    parallelize_module(bias, mesh["tp"], ColwiseParallel())
+    with pytest.raises(NotImplementedError, match=r"'bias' of shape \(4,\) is sharded by tensor parallel"):
+        fully_shard(bias, mesh=mesh["dp"])
+    x = F.linear(torch.ones(1, 4), torch.ones(4, 4))  # nothing above left a collective pending
+    assert x.shape == (1, 4)
+
+
+@distributed([4], timeout=400)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_fsdp_over_tp_collectives_per_step(sp):
+    """Per forward + backward, on the dp axis only: one all-gather per block in forward and
+    one in backward, one for the root (kept unsharded after forward), one reduce-scatter
+    per group; each carries the TP-local pieces (an all-gather's output is world x its
+    input). On the tp axis only TP's own collectives (and, under SP, the all-reduce over
+    tp of the norms' Partial gradients)."""
+    from plait.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model = _fsdp_tp(mesh, sp=sp, tie=False)
+    tok = tokens(0, 4, model.args.vocab_size)[2 * dp_rank:2 * dp_rank + 2]
+    with CommDebugMode() as mode:
+        lm_loss(model(tok[:, :-1]), tok).backward()
+    dp_ranks = tuple(mesh["dp"].mesh.tolist())
+    by_op: dict[str, list] = {}
+    for e in mode.events:
+        if e.group_ranks == dp_ranks:
+            by_op.setdefault(e.op, []).append(e)
+    blocks = len(model.layers)
+    assert len(by_op["all_gather"]) == 2 * blocks + 1, {k: len(v) for k, v in by_op.items()}
+    assert len(by_op["reduce_scatter"]) == blocks + 1, {k: len(v) for k, v in by_op.items()}
+    assert set(by_op) == {"all_gather", "reduce_scatter"}, set(by_op)
+    root = model._plait_fsdp_state.group
+    block_totals = sorted(blk._plait_fsdp_state.group.total for blk in model.layers.values())
+    gathered = sorted(math.prod(e.input_shapes[0]) for e in by_op["all_gather"])
+    assert gathered == sorted([root.total] + 2 * block_totals), (gathered, root.total, block_totals)
+    # what the gather rebuilds is the block's TP-local tensors: global numel / tp for what TP
+    # shards, whole for the rest ("tiny" divides evenly by dp 2 and tp 2: no padding)
+    tp_local = sum(p.numel() // (2 if any(pl.is_shard() for pl in p.placements[1:]) else 1)
+                   for p in model.layers["0"].parameters())
+    assert 2 * block_totals[0] == tp_local, (block_totals, tp_local)
+    tp_only = {e.group_ranks for e in mode.events} - {dp_ranks}
+    assert tp_only == {tuple(mesh["tp"].mesh.tolist())}, tp_only
+
+
+@distributed([4], timeout=400)
+def test_fsdp_over_tp_gradient_accumulation_without_sync():
+    """Two micro-batches per step, set_requires_gradient_sync(False) on the first (TP+SP, so
+    the norms' Partial gradients are moved to Replicate in the accumulation too), 4 steps:
+    the same losses and parameters as the reference on the whole batch (each micro-batch
+    loss halved), tolerances as above."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model, ref = _fsdp_tp(mesh, sp=True, tie=False), build("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    want, _ = _train(ref, None, steps=4)
+    got = []
+    for step in range(4):
+        tok = tokens(step, 4, model.args.vocab_size)[2 * dp_rank:2 * dp_rank + 2]
+        total = 0.0
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            loss = lm_loss(model(tok[micro:micro + 1, :-1]), tok[micro:micro + 1]) / 2
+            loss.backward()
+            total += float(full(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+        got.append(total)
+    torch.testing.assert_close(_dp_mean(torch.tensor(got), mesh), want, **FP32["loss"])
+    assert_params_match(model, ref, dict(FP32, bound=dict(atol=1e-3, rtol=1e-4)), "accumulated, after 4 steps")
