@@ -48,16 +48,18 @@ from .data_parallel import GradSync, register_grad_sync
 class ShardedGradSync:
     """The FSDP roots of one stage's submodule (itself, or its top-level sharded children)."""
 
-    def __init__(self, roots: list[nn.Module], what: str) -> None:
+    def __init__(self, roots: list[nn.Module]) -> None:
         self.roots = roots
         self.states = []
         for root in roots:
             state = root._plait_fsdp_state
             if state.is_root is False:
+                orig = type(root).__mro__[2].__name__  # FSDP<Class>, FSDPModule, <Class>
                 raise ValueError(
-                    f"{what}: its fully_shard state was initialised under a root outside the "
-                    "stage (a forward ran through an enclosing FSDP module first); call "
-                    "fully_shard on the stage's own module and run the pipeline on it"
+                    f"fully_shard({orig}) in this stage was initialised under a root outside "
+                    "the stage (a forward ran through an enclosing FSDP module first): its "
+                    "gradients would be reduced by that root; call fully_shard on the stage's "
+                    "own modules and run forward only through the pipeline"
                 )
             self.states.append(state)
         self._saved: list[tuple] | None = None
@@ -149,7 +151,7 @@ def _plait_fsdp(module: nn.Module) -> GradSync | None:
     roots = _roots(module)
     if not roots:
         return None
-    return ShardedGradSync(roots, f"fully_shard({type(module).__name__})")
+    return ShardedGradSync(roots)
 
 
 register_grad_sync(_plait_fsdp)

@@ -169,3 +169,18 @@ def test_pp_x_fsdp_matches_one_process(schedule_name, model_name):
 @pytest.mark.parametrize("schedule_name", ["1F1B", "ZBVZeroBubble"])
 def test_pp_x_fsdp_bf16_params_fp32_reduce(schedule_name):
     check_pp_fsdp(schedule_name, "transformer", bf16=True)
+
+
+@distributed([2])
+def test_a_group_initialised_under_an_outer_root_is_refused_before_any_step():
+    """A block whose FSDP state a forward through the whole model made part of that root's
+    tree cannot be a stage by itself (its post-backward would be the outer root's): a
+    ValueError at PipelineStage(), naming the module, before anything is sent."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, loss_fn, _ = _model("transformer")
+    _shard_stage(model, mesh, MixedPrecisionPolicy())
+    x, _ = _data("transformer", 0)
+    model(x[:2])  # the root initialises every state under it
+    solo = comm.new_group([comm.get_rank(comm.world_group())])
+    with pytest.raises(ValueError, match=r"fully_shard\(Block\) in this stage was initialised under a root outside"):
+        PipelineStage(model.layers[0], 0, 1, "cpu", group=solo)
