@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from plait import comm
-from plait.device_mesh import init_device_mesh
+from plait.device_mesh import DeviceMesh, init_device_mesh
+from plait.fsdp import fully_shard
 from plait.models.llama import CONFIGS, Transformer, parallelize_llama
-from plait.pipelining import PipelineStage, build_schedule
+from plait.pipelining import PipelineStage, Schedule1F1B, build_schedule
+from plait.pipelining.fully_sharded import ShardedGradSync
 from plait.tensor import DTensor
 from plait.tensor.parallel import loss_parallel
 from plait.testing import distributed
@@ -166,3 +168,50 @@ def check_pp_tp(schedule_name: str, sequence_parallel: bool, vocab_parallel: boo
 )
 def test_pp_x_tp_matches_one_process(schedule_name, sequence_parallel, vocab_parallel):
     check_pp_tp(schedule_name, sequence_parallel, vocab_parallel)
+
+
+@distributed([8])
+def test_pp_x_fsdp_x_tp_matches_one_process():
+    """3-D (pp=2, dp=2, tp=2), 1F1B: each stage parallelize_llama'd on tp (TP+SP), then its
+    block and the stage fully_shard-ed on dp (FSDP over TP, on the pipeline rank's (dp, tp)
+    slice as a 2-D mesh, which plait.fsdp requires); each dp replica half the batch.
+    The dp-mean loss and every gathered grad each step, parameters after 3 steps."""
+    world = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp_group = world["pp"].get_group()
+    pp_rank = comm.get_rank(pp_group)
+    # fully_shard over TP takes a 2-D (dp, tp) root mesh: this pipeline rank's own slice
+    mesh = DeviceMesh("cpu", world.mesh[pp_rank], mesh_dim_names=("dp", "tp"))
+    dp_group = mesh["dp"].get_group()
+    dp_rank = comm.get_rank(dp_group)
+    model = _model(2)
+    ref_losses, ref_grads, ref_params = _reference(copy.deepcopy(model))
+    module = parallelize_llama(_stage(model, pp_rank, 2), mesh["tp"], loss_parallel=False)
+    for block in module.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    stage = PipelineStage(module, pp_rank, 2, "cpu", group=pp_group)
+    assert isinstance(stage.grad_sync, ShardedGradSync)
+    schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=lm_loss)
+    params = dict(module.named_parameters())
+    opt = torch.optim.AdamW(params.values(), lr=LR, eps=EPS)
+    half = BATCH // 2
+    for step in range(STEPS):
+        tok = _tokens(step)[dp_rank * half : (dp_rank + 1) * half]
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        schedule.step(
+            *((tok[:, :-1],) if pp_rank == 0 else ()),
+            target=tok[:, 1:] if pp_rank == 1 else None,
+            losses=losses,
+        )
+        if pp_rank == 1:
+            mean = torch.stack(losses).mean()
+            comm.all_reduce(mean, group=dp_group)
+            _close(mean / 2, ref_losses[step], f"step {step} loss")
+        for name, param in params.items():
+            _close(param.grad.full_tensor(), ref_grads[step][name], f"step {step} grad of {name}")
+        opt.step()
+    for name, param in params.items():
+        torch.testing.assert_close(
+            param.detach().full_tensor(), ref_params[name], rtol=0, atol=TOL["atol"], msg=name
+        )
