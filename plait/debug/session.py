@@ -115,7 +115,7 @@ class Session(events.CommListener):
         wd = self.watchdog
         if wd is None:  # a forked child: no watchdog thread
             return remaining(event, self.config.timeout_s or group_timeout_s(event.group_name))
-        return remaining(event, wd.timeout_for(event.group_name)) + 2 * wd.poll_s + wd.report_wait_s + 1.0
+        return remaining(event, wd.timeout_for(event.group_name)) + 2 * wd.poll_s + wd.round_s + 1.0
 
     def _hints(self, group: str, ranks: tuple[int, ...]) -> list[str]:
         return self.check.divergence_hint(group, ranks) if self.check is not None else []
