@@ -27,7 +27,7 @@ import time
 import torch.distributed as dist
 
 from plait.debug import channel
-from plait.debug.desync import IN_OP, RUNNING
+from plait.debug.desync import EXITED, FAILED, IN_OP, RUNNING
 
 REQUEST, REPORT = "desync/request", "desync/report"
 
@@ -110,3 +110,15 @@ def leave(store: dist.Store, me: int, peers: list[int], wait_s: float) -> list[i
     if channel.wait(store, keys, wait_s):
         return []
     return [r for r, p in zip(peers, channel.present(store, keys)) if not p]
+
+
+def unfinished(store: dist.Store, me: int, world_size: int) -> list[int]:
+    """Peers that may still need the store: neither ended (exited, failed) nor done with a report."""
+    out = []
+    for r in range(world_size):
+        if r == me or store.check([done_key(r)]):
+            continue
+        state = channel.get_json(store, [state_key(r)])[0] if store.check([state_key(r)]) else None
+        if state is None or state.get("status") not in (EXITED, FAILED):
+            out.append(r)
+    return out

@@ -260,6 +260,27 @@ class Watchdog:
         self._leave(peers)
         self._exit()
 
+    def linger(self) -> None:
+        """At this process's exit, after stop(): if it serves the job's store, stay until every
+        peer has ended or reported (bounded by the longest a peer's op can still take to time
+        out, plus a report), so a peer still in an op reports with the store, not without it."""
+        try:
+            if not (channel.available() and channel.hosts_store()):
+                return
+            me = dumps.global_rank()
+            timeouts = [self.timeout_for(g) for g in self._last_entered] or [self.timeout_for("")]
+            bound = max(timeouts) + self.poll_s + self.round_s
+            deadline, said = time.monotonic() + bound, False
+            with channel.store() as store:
+                while (left := rounds.unfinished(store, me, dumps.world_size())) and time.monotonic() < deadline:
+                    if not said and time.monotonic() > deadline - bound + 1.0:
+                        said = True
+                        sys.stderr.write(f"plait.debug: rank {me} serves the job's store: waiting up to "
+                                         f"{bound:.0f} s for rank(s) {left} to end or report a hang\n")
+                    time.sleep(self.poll_s)
+        except Exception:  # noqa: BLE001 - the store is ours and going away: nothing more to do
+            pass
+
     @staticmethod
     def _exit() -> None:
         for stream in (sys.stdout, sys.stderr):
