@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -69,6 +70,44 @@ def forget() -> None:
     with _lock:
         _root = None
         _free.clear()
+
+
+def hosts_store() -> bool:
+    """Whether this process serves the job's store: a TCPStore whose port this process listens on
+    (rank 0 under a hand-made env:// launch; nobody under plait run or torchrun, whose agent
+    serves it). The store ends with its host's process, so the host must not leave first."""
+    base = _root[0] if _root is not None else None
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if not isinstance(base, dist.TCPStore):
+        return False  # a FileStore or HashStore outlives (or never crosses) the process
+    try:
+        return _listening_here(base.port)
+    except OSError:  # no /proc: a hand-made env:// launch serves it from rank 0
+        return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _listening_here(port: int) -> bool:
+    """Linux: a listening socket on `port` (from /proc/net/tcp*) held by one of our fds."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(fields[9])
+    if not inodes:
+        return False
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
 
 
 def wait(client: dist.Store, keys: list[str], timeout_s: float) -> bool:

@@ -6,7 +6,8 @@ everything the config asks for; `configure()` swaps it for another.
            every rank before anything is sent -> entry "started"
     on_end(event):   entry "completed" -> watchdog.leave -> [DETAIL] log line -> [INFO] tally
     unhandled exception: dump (+ desync report if a collective failed under the watchdog)
-    SIGUSR1: dump          exit: [INFO] summary; [watchdog] last state left for peers
+    SIGUSR1: dump          exit: [INFO] summary; [watchdog] last state left for peers, and
+                          the store's host stays until its peers have ended or reported
 
 Module state is the one active session and its config; a forked child keeps the config
 but drops what does not survive a fork (threads, store connections, signal routing).
@@ -115,7 +116,7 @@ class Session(events.CommListener):
         wd = self.watchdog
         if wd is None:  # a forked child: no watchdog thread
             return remaining(event, self.config.timeout_s or group_timeout_s(event.group_name))
-        return remaining(event, wd.timeout_for(event.group_name)) + 2 * wd.poll_s + wd.report_wait_s + 1.0
+        return remaining(event, wd.timeout_for(event.group_name)) + 2 * wd.poll_s + wd.round_s + 1.0
 
     def _hints(self, group: str, ranks: tuple[int, ...]) -> list[str]:
         return self.check.divergence_hint(group, ranks) if self.check is not None else []
@@ -273,7 +274,8 @@ def _at_exit() -> None:
     if s.watchdog is not None:
         if _exit_error is None:
             s.watchdog.publish(EXITED)
-        s.watchdog.stop()
+        s.watchdog.stop()  # before lingering: this rank answers no request once it has ended
+        s.watchdog.linger()
 
 
 def _after_fork_in_child() -> None:

@@ -4,11 +4,13 @@
     thread, every poll_s: an op whose Work is done -> completed (even if nobody waited yet)
                           an op past its deadline  -> fire()
                           a peer asked for states  -> respond()
-    fire():    publish my state, ask every rank for theirs (store key desync/request), wait
-               for them (bounded), print the desync report, dump the flight recorder, exit 124
-    respond(): publish my state and stacks, dump my flight recorder, wait until the reporter
-               has read the states (bounded), exit 124 — the whole job stops, each rank
-               leaving its dump, so the launcher can restart it
+    fire():    publish my state and claim the report (store key desync/request): the first
+               rank to claim gathers every rank's state (bounded), decides the verdict and
+               publishes it; a rank that timed out too prints that verdict. Dump the flight
+               recorder, wait (bounded) until the peers have read what they need, exit 124
+    respond(): publish my state and stacks, dump my flight recorder, wait (bounded) for the
+               report and for the peers, exit 124 — the whole job stops, each rank leaving
+               its dump, so the launcher can restart it  (the round: report_round.py)
 
 States travel through the side channel (the c10d store); a rank that exits normally
 publishes its last state first, so a report can say "rank 1 exited after all_reduce #4".
@@ -26,17 +28,18 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from plait.comm.events import CommEvent
 from plait.debug import channel, desync
 from plait.debug import dump as dumps
+from plait.debug import report_round as rounds
 from plait.debug.callsite import thread_stacks
 from plait.debug.config import WATCHDOG_EXIT_CODE
 from plait.debug.recorder import Entry
 
-REPORT_WAIT_MAX_S = 5.0
+REPORT_WAIT_MIN_S = 3.0  # a live peer answers within a poll; this is for a loaded machine
+REPORT_WAIT_MAX_S = 10.0
 
 
 def group_timeout_s(name: str) -> float:
@@ -58,7 +61,13 @@ class Watchdog:
                  hints: Callable[[str, tuple[int, ...]], list[str]], trace_dir: str) -> None:
         self.timeout_s = timeout_s
         self.poll_s = min(0.5, max(0.05, (timeout_s or 600.0) / 20))
-        self.report_wait_s = min(REPORT_WAIT_MAX_S, 1.0 + 2 * self.poll_s)
+        # how long the reporter waits for states, a follower for the report, a rank for its peers
+        # to finish reading: each wait ends as soon as what it waits for is there, so the bounds
+        # only cost time when a rank is dead, and they are generous for a loaded machine
+        self.report_wait_s = min(REPORT_WAIT_MAX_S, max(REPORT_WAIT_MIN_S, 1.0 + 10 * self.poll_s))
+        self.follow_wait_s = 2 * self.report_wait_s + 2 * self.poll_s
+        self.leave_wait_s = self.follow_wait_s
+        self.round_s = self.report_wait_s + self.follow_wait_s + self.leave_wait_s  # the longest a report takes
         self._dump, self._hints, self._trace_dir = dump, hints, trace_dir
         self._in_flight: dict[int, tuple[CommEvent, Entry, int]] = {}
         self._last_entered: dict[str, Entry] = {}
@@ -90,7 +99,7 @@ class Watchdog:
         """Block while this rank reports or answers a report (which ends the process):
         a collective failing on the main thread meanwhile must not cut the report short."""
         if self._firing.locked():
-            self._stop.wait(self.report_wait_s + 10.0)
+            self._stop.wait(self.round_s + 10.0)
 
     def oldest_in_flight(self) -> Entry | None:
         entries = [entry for _, entry, _ in list(self._in_flight.values())]
@@ -130,10 +139,8 @@ class Watchdog:
         if not channel.available():
             return
         with channel.store() as store:
-            if not store.check(["desync/request"]):
-                return
-            request = channel.get_json(store, ["desync/request"])[0]
-        if request["rank"] != dumps.global_rank() and request["time_ns"] >= self._born_ns:
+            request = rounds.pending_request(store, born_ns=self._born_ns)
+        if request is not None and request["rank"] != dumps.global_rank():
             self._respond(request)
 
     # -- reporting --------------------------------------------------------------------------
@@ -164,70 +171,115 @@ class Watchdog:
             pass
 
     def fire(self, entry: Entry, reason: str, *, exit: bool = True) -> str | None:
-        """Report `entry` as stuck: gather every rank's state, print, dump; then exit."""
+        """Report `entry` as stuck (see report_round.py): the first rank to get here gathers
+        every rank's state and decides; a rank that gets here second prints that verdict."""
         if not self._firing.acquire(blocking=False):
             if exit:  # another thread is reporting and will end the process
                 threading.Event().wait()
             return None
-        me = dumps.global_rank()
+        me, op = dumps.global_rank(), f"{entry.op} #{entry.seq}"
         states: dict[int, dict | None] = {me: self.state(desync.IN_OP)}
-        note = None
+        reporter, published, notes = me, None, []
+        text = verdict = None
         try:
             if channel.available():
                 with channel.store() as store:
-                    channel.put_json(store, f"state/{me}", states[me])
-                    channel.put_json(store, "desync/request",
-                                     {"rank": me, "time_ns": time.time_ns(), "op": f"{entry.op} #{entry.seq}"})
-                    states.update(self._collect(store, me))
+                    channel.put_json(store, rounds.state_key(me), states[me])
+                    request = rounds.claim(store, {"rank": me, "time_ns": time.time_ns(), "op": op},
+                                           born_ns=self._born_ns)
+                    reporter = request["rank"]
+                    if reporter == me:
+                        states.update(rounds.collect(store, me, dumps.world_size(), self.report_wait_s))
+                        text, verdict = self._report(entry, reason, states, notes)
+                        rounds.publish(store, rank=me, op=op, text=text, verdict=asdict(verdict), states=states)
+                    else:
+                        published = rounds.await_report(store, self.follow_wait_s)
+                        if published is None:
+                            notes.append(f"(rank {reporter} timed out first, in {request['op']}, but published "
+                                         f"no report within {self.follow_wait_s:.1f} s: this is rank {me}'s own)")
+                            states.update(rounds.collect(store, me, dumps.world_size(), 0.0))
         except Exception as e:  # noqa: BLE001 - report what we have
-            note = f"(side channel failed: {type(e).__name__}: {e}; other ranks' states are missing)"
-        hints = self._hints(entry.group, entry.group_ranks) + ([note] if note else [])
-        text, verdict = desync.report(entry.to_dict(), states, me=me, reason=reason,
-                                      timeout_s=self.timeout_for(entry.group), hints=hints,
-                                      dump_dir=self._trace_dir)
+            notes.append(f"(side channel failed: {type(e).__name__}: {e}; other ranks' states are missing)")
+        if published is not None:
+            states = {**published["states"], me: states[me]}
+            text = (f"plait.debug: rank {me}: {reason}; rank {reporter} timed out first, in "
+                    f"{published['op']}, and reported for the job:\n{published['text']}")
+            verdict_doc = published["verdict"]
+        else:
+            if text is None or notes:  # no store, or it failed after the verdict: say so in the text
+                text, verdict = self._report(entry, reason, states, notes)
+            verdict_doc = asdict(verdict)
         sys.stderr.write(text + "\n")
         path = self._dump(f"watchdog: {reason}", {
-            "report": text, "verdict": asdict(verdict),
+            "report": text, "verdict": verdict_doc, "reported_by": reporter,
             "peers": {str(r): s for r, s in states.items() if r != me and s is not None},
         })
         if path:
             sys.stderr.write(f"plait.debug: rank {me}: flight recorder dumped to {path}\n")
-        try:
-            if channel.available():
-                with channel.store() as store:
-                    store.set(f"desync/done/{me}", "1")
-        except Exception:  # noqa: BLE001 - peers wait for this key with a bound anyway
-            pass
+        self._leave(rounds.still_reading(states, me))
         if exit:
             self._exit()
         return text
 
-    def _collect(self, store: dist.Store, me: int) -> dict[int, dict | None]:
-        others = [r for r in range(dumps.world_size()) if r != me]
-        keys = [f"state/{r}" for r in others]
-        channel.wait(store, keys, self.report_wait_s)
-        present = channel.present(store, keys)
-        found = [k for k, p in zip(keys, present) if p]
-        states: dict[int, dict | None] = {r: None for r in others}
-        for key, state in zip(found, channel.get_json(store, found)):
-            states[int(key.rsplit("/", 1)[1])] = state
-        return states
+    def _report(self, entry: Entry, reason: str, states: dict[int, dict | None],
+                notes: list[str]) -> tuple[str, desync.Verdict]:
+        return desync.report(entry.to_dict(), states, me=dumps.global_rank(), reason=reason,
+                             timeout_s=self.timeout_for(entry.group),
+                             hints=self._hints(entry.group, entry.group_ranks) + notes, dump_dir=self._trace_dir)
+
+    def _leave(self, peers: list[int]) -> None:
+        """Done with the store; stay (bounded) until the peers still reading it are too: this
+        process may be the store's host."""
+        try:
+            if channel.available():
+                with channel.store() as store:
+                    late = rounds.leave(store, dumps.global_rank(), peers, self.leave_wait_s)
+                if late:
+                    sys.stderr.write(f"plait.debug: rank {dumps.global_rank()}: rank(s) {late} did not finish "
+                                     f"reading the report within {self.leave_wait_s:.1f} s; stopping anyway\n")
+        except Exception:  # noqa: BLE001 - the job is ending; a peer's read may fail, ours is done
+            pass
 
     def _respond(self, request: dict) -> None:
         if not self._firing.acquire(blocking=False):
             return  # this rank is reporting itself
         me = dumps.global_rank()
+        peers = [request["rank"]]
         try:
             with channel.store() as store:
-                channel.put_json(store, f"state/{me}", self.state(desync.RUNNING))
+                channel.put_json(store, rounds.state_key(me), self.state(desync.RUNNING))
             path = self._dump(f"desync report requested by rank {request['rank']} ({request['op']} timed out)", {})
             sys.stderr.write(f"plait.debug: rank {me}: rank {request['rank']} timed out in {request['op']}; "
                              f"flight recorder dumped to {path}; stopping this rank\n")
             with channel.store() as store:
-                channel.wait(store, [f"desync/done/{request['rank']}"], self.report_wait_s + 2.0)
+                published = rounds.await_report(store, self.follow_wait_s)
+            if published is not None:
+                peers = rounds.still_reading(published["states"], me)
         except Exception as e:  # noqa: BLE001 - stop anyway
             sys.stderr.write(f"plait.debug: rank {me}: answering rank {request['rank']} failed: {e}\n")
+        self._leave(peers)
         self._exit()
+
+    def linger(self) -> None:
+        """At this process's exit, after stop(): if it serves the job's store, stay until every
+        peer has ended or reported (bounded by the longest a peer's op can still take to time
+        out, plus a report), so a peer still in an op reports with the store, not without it."""
+        try:
+            if not (channel.available() and channel.hosts_store()):
+                return
+            me = dumps.global_rank()
+            timeouts = [self.timeout_for(g) for g in self._last_entered] or [self.timeout_for("")]
+            bound = max(timeouts) + self.poll_s + self.round_s
+            deadline, said = time.monotonic() + bound, False
+            with channel.store() as store:
+                while (left := rounds.unfinished(store, me, dumps.world_size())) and time.monotonic() < deadline:
+                    if not said and time.monotonic() > deadline - bound + 1.0:
+                        said = True
+                        sys.stderr.write(f"plait.debug: rank {me} serves the job's store: waiting up to "
+                                         f"{bound:.0f} s for rank(s) {left} to end or report a hang\n")
+                    time.sleep(self.poll_s)
+        except Exception:  # noqa: BLE001 - the store is ours and going away: nothing more to do
+            pass
 
     @staticmethod
     def _exit() -> None:

@@ -67,10 +67,12 @@ def signal_dump(rank: int, world: int) -> None:
 
     g = comm.world_group()
     comm.all_reduce(torch.ones(2), group=g)
-    print(f"READY {rank}", flush=True)
     if rank == 1:
+        print(f"READY {rank}", flush=True)
         time.sleep(120)  # FAULT:signal_dump_sleep
-    comm.all_reduce(torch.ones(2), group=g)  # FAULT:signal_dump
+    work = comm.all_reduce(torch.ones(2), group=g, async_op=True)  # FAULT:signal_dump
+    print(f"READY {rank}", flush=True)  # only once the op is in flight: the test signals then
+    work.wait()
 
 
 def raw_torch(rank: int, world: int) -> None:
@@ -99,7 +101,14 @@ def main() -> None:
     name = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if name != "raw_torch":  # plait's import, in each rank's own time, before init lines the ranks up:
+        import plait.comm  # noqa: F401 - an import on a loaded machine must not eat the op's timeout
+    if "STORE_HOST" in os.environ:  # the store served by that rank, not by rank 0 as env:// does
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == int(os.environ["STORE_HOST"]))
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     SCENARIOS[name](rank, world)
     dist.destroy_process_group()
 

@@ -87,10 +87,14 @@ def test_detail_raises_nothing_and_changes_no_result(tmp_path):
 def test_an_async_op_not_yet_waited_on_is_not_a_hang():
     """The watchdog sees the Work complete; it must not end the rank because nobody waited."""
     g = comm.world_group()
-    with debug.configured(level="DETAIL", timeout=1.0):
+    # the op completes once both ranks issued it: they start together (the barrier), and the
+    # timeout leaves room for a loaded machine to put a second between them
+    timeout = 2.0
+    comm.barrier(group=g)
+    with debug.configured(level="DETAIL", timeout=timeout):
         handle = comm.all_reduce(torch.ones(4), group=g, async_op=True)
-        time.sleep(2.5)  # well past the timeout: a watchdog counting from issue would fire
+        time.sleep(timeout + 1.5)  # well past the timeout: a watchdog counting from issue would fire
         assert torch.equal(handle.wait(), torch.full((4,), 2.0))
         work = dist.all_reduce(torch.ones(2), async_op=True)
-        time.sleep(1.5)
+        time.sleep(timeout + 0.5)
         work.wait()

@@ -3,6 +3,10 @@
 `launch(...)` starts `python -m plait.run ...` in its own session with its output in files; every
 launch is killed at the end of the test if still running, and every pid a worker script
 registered (workers, their children) must be gone — the check is by pid, not by name.
+
+Every wait here is for an event (a process exiting, a line on stderr, a file appearing) and
+returns as soon as it happens; its bound, HANG_S, only tells a stuck launcher from a slow one
+on a loaded machine, so it is generous: a passing test never waits for it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 PYTHON = sys.executable
+HANG_S = 120.0  # the bound on every wait for an event: a launch under load takes seconds, a hang forever
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                   "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")
 
@@ -81,7 +86,7 @@ class Launch:
         return Result(self.proc.returncode, self.out_path.read_text(errors="replace"),
                       self.err_path.read_text(errors="replace"))
 
-    def wait(self, timeout: float) -> Result:
+    def wait(self, timeout: float = HANG_S) -> Result:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -90,7 +95,7 @@ class Launch:
             pytest.fail(f"plait run did not exit within {timeout} s\n--- stdout\n{r.out}\n--- stderr\n{r.err}")
         return self.output()
 
-    def wait_for_stderr(self, text: str, timeout: float) -> None:
+    def wait_for_stderr(self, text: str, timeout: float = HANG_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if text in self.err_path.read_text(errors="replace"):
@@ -136,7 +141,7 @@ class Job:
         self.launches.append(launch)
         return launch
 
-    def run(self, *args: str, timeout: float = 30, env: dict[str, str] | None = None) -> Result:
+    def run(self, *args: str, timeout: float = HANG_S, env: dict[str, str] | None = None) -> Result:
         return self.start(*args, env=env).wait(timeout)
 
     def read(self, name: str):
@@ -146,7 +151,7 @@ class Job:
         return sorted(p.name for p in self.out.iterdir()
                       if p.name.startswith(prefix) and p.name.endswith(suffix) and not p.name.endswith(".tmp"))
 
-    def wait_for_outputs(self, prefix: str, count: int, timeout: float, suffix: str = "") -> list[str]:
+    def wait_for_outputs(self, prefix: str, count: int, timeout: float = HANG_S, suffix: str = "") -> list[str]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             names = self.outputs(prefix, suffix)
@@ -159,7 +164,7 @@ class Job:
     def registered_pids(self) -> list[int]:
         return [int(p.name) for p in self.pids.iterdir()]
 
-    def assert_no_process_left(self, timeout: float = 5.0) -> None:
+    def assert_no_process_left(self, timeout: float = 30.0) -> None:
         pids = self.registered_pids()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(pid_alive(p) for p in pids):

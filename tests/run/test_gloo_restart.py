@@ -11,7 +11,7 @@ from tests.run.conftest import worker
 
 def test_gloo_group_all_reduces_again_after_a_crash_and_restart(job):
     r = job.run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", worker("gloo_allreduce.py"),
-                env={"CRASH_RANK": "1"}, timeout=90)
+                env={"CRASH_RANK": "1"})
     assert r.rc == 0, r.err
     assert job.outputs("allreduce_") == ["allreduce_a0_r0", "allreduce_a0_r1", "allreduce_a1_r0", "allreduce_a1_r1"]
     assert all(job.read(name)["sum"] == 3.0 for name in job.outputs("allreduce_"))

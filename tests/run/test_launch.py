@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from plait.run import main
-from tests.run.conftest import REPO, worker
+from tests.run.conftest import HANG_S, REPO, worker
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
@@ -84,7 +84,7 @@ def test_no_python_execs_the_program_and_record_writes_the_error_file(job, tmp_p
 
 def test_plait_run_through_the_cli(job):
     r = subprocess.run([sys.executable, "-m", "plait", "run", "--standalone", "--nproc-per-node", "2",
-                        worker("env_dump.py")], env=job.env(), cwd=job.dir, capture_output=True, text=True, timeout=30)
+                        worker("env_dump.py")], env=job.env(), cwd=job.dir, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == ["[rank 0] hello from rank 0 of 2", "[rank 1] hello from rank 1 of 2"]
 

@@ -49,11 +49,11 @@ def two_hosts():
 def test_two_hosts_rendezvous_over_tcp_and_all_reduce_over_gloo(job, two_hosts):
     (ns_a, ns_b), (addr_a, addr_b) = two_hosts
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"{addr_a}:29400", "--rdzv-conf", "join_timeout=60", worker("gloo_allreduce.py")]
+            f"{addr_a}:29400", "--rdzv-conf", "join_timeout=120", worker("gloo_allreduce.py")]
     env = {"GLOO_SOCKET_IFNAME": "pt0"}  # the hostname resolves to loopback, which is per namespace
     a = job.start(*args, env=env, wrap=["ip", "netns", "exec", ns_a])
     b = job.start(*args, env=env, wrap=["ip", "netns", "exec", ns_b])
-    ra, rb = a.wait(90), b.wait(90)
+    ra, rb = a.wait(), b.wait()
     assert ra.rc == 0 and rb.rc == 0, ra.err + rb.err
     assert "serving the rendezvous store" in ra.err and "serving" not in rb.err
     results = [job.read(n) for n in job.outputs("allreduce_a0_")]

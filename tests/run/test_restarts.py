@@ -41,11 +41,11 @@ def test_worker_that_always_fails_runs_max_restarts_plus_one_times(job):
 def test_sigkill_of_a_worker_mid_run_is_a_failure_named_by_its_signal(job):
     launch = job.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", worker("sleeper.py"),
                        env={"SLEEP_ATTEMPTS": "1"})
-    job.wait_for_outputs("ready_a0_", 2, timeout=20)
+    job.wait_for_outputs("ready_a0_", 2)
     victim = job.read("ready_a0_r1")["worker"]
     other = job.read("ready_a0_r0")["worker"]
     os.kill(victim, signal.SIGKILL)
-    r = launch.wait(timeout=20)
+    r = launch.wait()
     assert r.rc == 0, r.err  # restarted once; the second attempt exits at once
     assert "rank 1 (node " in r.err and "was killed by SIGKILL; restarting every worker" in r.err
     lines = r.out.splitlines()
@@ -55,8 +55,8 @@ def test_sigkill_of_a_worker_mid_run_is_a_failure_named_by_its_signal(job):
 
 def test_sigkill_without_restarts_left_fails_the_job(job):
     launch = job.start("--standalone", "--nproc-per-node", "2", worker("sleeper.py"))
-    job.wait_for_outputs("ready_a0_", 2, timeout=20)
+    job.wait_for_outputs("ready_a0_", 2)
     os.kill(job.read("ready_a0_r0")["worker"], signal.SIGKILL)
-    r = launch.wait(timeout=20)
+    r = launch.wait()
     assert r.rc == 1
     assert "exitcode  : -9 (SIGKILL)" in r.err and "rank      : 0 (local rank 0)" in r.err

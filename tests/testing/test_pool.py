@@ -69,8 +69,10 @@ def test_an_exception_names_the_rank_and_line_and_stops_the_waiters():
     pids = [pid for _, pid in run_distributed(_rank_and_pid, world_size=3)]
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_raise_on_rank_1_others_wait, world_size=3, timeout=60)
-    assert time.monotonic() - start < pool.ERROR_GRACE_S + 10
+        run_distributed(_raise_on_rank_1_others_wait, world_size=3, timeout=120)
+    # the others are stopped after the grace, not left to the 120 s timeout (the rest is slack
+    # for collecting stacks and stopping processes on a loaded machine)
+    assert time.monotonic() - start < pool.ERROR_GRACE_S + 25
     text = str(info.value)
     assert "failed on ranks [1] of 3; ranks [0, 2] were still running" in text
     assert "ValueError: planted failure on rank 1" in text and "test_pool.py" in text
@@ -84,7 +86,7 @@ def test_a_hang_fails_with_every_ranks_stack():
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_sleep_forever_on_rank_0, world_size=2, timeout=3)
-    assert time.monotonic() - start < 3 + 8
+    assert time.monotonic() - start < 3 + 25  # the 3 s timeout, then stacks and a stop under load
     text = str(info.value)
     assert "did not finish within 3 s on ranks [0] of 2" in text
     assert "rank 0: Python stack when stopped" in text and "_sleep_forever_on_rank_0" in text

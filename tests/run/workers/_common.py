@@ -36,7 +36,8 @@ def write(name: str, data) -> None:
     os.replace(path + ".tmp", path)
 
 
-def wait_for(name: str, timeout: float = 60.0) -> bool:
+def wait_for(name: str, timeout: float = 120.0) -> bool:
+    """Wait for another process's output file: as long as conftest.HANG_S, for a loaded machine."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.exists(os.path.join(OUT, name)):

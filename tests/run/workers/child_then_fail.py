@@ -13,5 +13,5 @@ if _common.rank() == 0:
     _common.write("child_r0", child.pid)
     time.sleep(60)
 else:
-    _common.wait_for("child_r0", timeout=20)
+    _common.wait_for("child_r0")
     raise SystemExit(5)

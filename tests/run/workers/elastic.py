@@ -12,7 +12,7 @@ _common.register()
 _common.write(f"running_a{_common.attempt()}_r{_common.rank()}_w{_common.world()}",
               {"pid": os.getpid(), "group_rank": os.environ["GROUP_RANK"]})
 release_world = int(os.environ.get("RELEASE_WORLD", "0"))
-deadline = time.monotonic() + 60
+deadline = time.monotonic() + 180  # spans a lost node noticed, a restart, a regroup on a loaded machine
 while time.monotonic() < deadline:
     if _common.world() == release_world and os.path.exists(os.path.join(_common.OUT, "RELEASE")):
         print(f"rank {_common.rank()} released in world {_common.world()}")
