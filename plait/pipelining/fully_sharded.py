@@ -64,6 +64,7 @@ class ShardedGradSync:
             self.states.append(state)
         self._saved: list[tuple] | None = None
         self._last: list[bool] = []
+        self._widening: list = []
 
     def _groups(self):
         groups = []
@@ -81,6 +82,7 @@ class ShardedGradSync:
             for g in groups
         ]
         self._last = [state.ctx.is_last_backward for state in self.states]
+        self._widening = [g for g in groups if g.reduce_dtype != g.param_dtype]  # per B|W: cached
         for g in groups:
             g.reshard_after_forward = False
             g.reshard_after_backward = False
@@ -97,10 +99,9 @@ class ShardedGradSync:
         # grads: with a reduce_dtype wider than param_dtype, the sum is kept in it. A W
         # writes .grad after the post-backward its I triggered, and several W may run back
         # to back (zero-bubble), which would otherwise add bf16 grads in bf16.
-        for g in self._groups():
-            if g.reduce_dtype != g.param_dtype:
-                for p in g.params:
-                    p.accumulate_unsharded(g.reduce_dtype)
+        for g in self._widening:
+            for p in g.params:
+                p.accumulate_unsharded(g.reduce_dtype)
 
     def last_backward(self) -> None:
         for root in self.roots:
