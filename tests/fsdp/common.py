@@ -123,6 +123,25 @@ def assert_grads_close(model: nn.Module, ref: nn.Module, *, atol: float, rtol: f
                                    msg=lambda m, name=name: f"{what}: gradient of {name}: {m}")
 
 
+def slices_to_reference(ref: nn.Module, low: nn.Module, slice_loss, n: int) -> float:
+    """The mixed-precision reference's step (see test_policies.py): `slice_loss(r)` is the loss
+    of `low` (a low-precision copy of `ref`) on rank r's slice; each slice's backward runs on
+    its own, the slices' gradients are summed in float32 in rank order and divided by n into
+    ref's .grad. Returns the mean of the slices' losses."""
+    total = {name: torch.zeros_like(p) for name, p in ref.named_parameters()}
+    losses = []
+    for r in range(n):
+        loss = slice_loss(r)
+        loss.backward()
+        for name, p in low.named_parameters():
+            total[name] += p.grad.float()
+            p.grad = None
+        losses.append(loss.float())
+    for name, p in ref.named_parameters():
+        p.grad = total[name] / n
+    return torch.stack(losses).mean().item()
+
+
 def train_parity(kind: str, model: nn.Module, ref: nn.Module, *, steps: int, rtol: float = 1e-5,
                  loss_scale: float = 1.0, grad_atol: float = 1e-6) -> None:
     """Train `model` (already sharded) and `ref` side by side; losses must agree every step."""
