@@ -15,8 +15,7 @@ from torch import nn
 
 from plait import comm
 from plait.fsdp import fully_shard
-
-PER_RANK = 3  # samples per rank and step: odd
+from tests.ddp.common import PER_RANK, mine, world  # the same slicing as the DDP tests
 
 
 class Block(nn.Module):
@@ -81,16 +80,8 @@ def shard(model: nn.Module, **kwargs) -> nn.Module:
     return fully_shard(model, **kwargs)
 
 
-def world() -> tuple[object, int, int]:
-    g = comm.world_group()
-    return g, comm.get_rank(g), comm.get_world_size(g)
-
-
-def mine(t: torch.Tensor, rank: int, per: int = PER_RANK) -> torch.Tensor:
-    return t[rank * per:(rank + 1) * per]
-
-
 def global_mean(value: torch.Tensor, group) -> float:
+    """The mean over ranks, in float32 (a bfloat16 loss is averaged without rounding)."""
     t = value.detach().reshape(1).clone().float()
     comm.all_reduce(t, group=group, op="avg")
     return t.item()
