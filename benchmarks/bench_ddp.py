@@ -14,14 +14,13 @@
 
 from __future__ import annotations
 
-import time
 import warnings
+from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from benchmarks.common import human_bytes, median, print_table
+from benchmarks.common import alternating_times, human_bytes, median, print_table
 from benchmarks.models import GPT, GPTConfig, lm_loss, random_tokens
 from plait import comm
 from plait.ddp import DistributedDataParallel
@@ -43,18 +42,6 @@ def _step(ddp, opt, tokens: torch.Tensor) -> None:
     lm_loss(ddp(tokens), tokens).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def _timed_step(ddp, opt, tokens: torch.Tensor, group) -> tuple[float, float]:
-    """(wall, training-thread CPU) seconds of one step, each the slowest rank's. CPU time
-    excludes waiting and other processes' load: it shows the wrapper's own overhead even
-    on a busy machine, where wall time mostly measures the neighbours."""
-    dist.barrier(group=group)
-    t0, c0 = time.perf_counter(), time.thread_time()
-    _step(ddp, opt, tokens)
-    elapsed = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed[0].item(), elapsed[1].item()
 
 
 def _plait_counts(ddp, opt, tokens: torch.Tensor) -> tuple[int, int]:
@@ -90,14 +77,8 @@ def _measure(quick: bool) -> dict:
         ours, theirs = DistributedDataParallel(_model(cfg), bucket_cap_mb=cap), TorchDDP(_model(cfg), bucket_cap_mb=cap)
         opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
         opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
-        for _ in range(warmup):
-            _step(ours, opt_ours, tokens)
-            _step(theirs, opt_theirs, tokens)
-        t_ours, t_theirs = [], []
-        for k in range(rounds):  # alternate who goes first: neither always runs warm
-            pair = [(ours, opt_ours, t_ours), (theirs, opt_theirs, t_theirs)]
-            for ddp, opt, times in pair if k % 2 == 0 else pair[::-1]:
-                times.append(_timed_step(ddp, opt, tokens, group))
+        t_ours, t_theirs = alternating_times(partial(_step, ours, opt_ours, tokens),
+                                             partial(_step, theirs, opt_theirs, tokens), group, warmup=warmup, rounds=rounds)
         calls, sent = _plait_counts(ours, opt_ours, tokens)
         torch_buckets = theirs.reducer._get_zeros_like_grad_buckets()
         torch_bytes = sum(int(ring * b.buffer().numel() * b.buffer().element_size()) for b in torch_buckets)

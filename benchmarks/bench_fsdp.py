@@ -23,14 +23,13 @@
 
 from __future__ import annotations
 
-import time
 import warnings
+from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.common import human_bytes, median, print_table
+from benchmarks.common import alternating_times, human_bytes, max_over_ranks, median, print_table
 from benchmarks.live_bytes import LiveBytes
 from plait import comm
 from plait.debug import CommDebugMode
@@ -73,16 +72,6 @@ def _step(model, opt, tokens: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _timed_step(model, opt, tokens: torch.Tensor, group) -> tuple[float, float]:
-    """(wall, training-thread CPU) seconds of one step, each the slowest rank's."""
-    dist.barrier(group=group)
-    t0, c0 = time.perf_counter(), time.thread_time()
-    _step(model, opt, tokens)
-    elapsed = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed[0].item(), elapsed[1].item()
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
@@ -98,9 +87,7 @@ def _resident(model, opt, group) -> int:
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 total += _local(v).numel() * v.element_size()
-    t = torch.tensor([float(total)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return int(max_over_ranks(total, group))
 
 
 def _state_tensors(model, opt) -> list[torch.Tensor]:
@@ -127,12 +114,6 @@ def _torch_buffers(model) -> list[torch.Tensor]:
     return out
 
 
-def _max(value: int, group) -> int:
-    t = torch.tensor([float(value)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
 def _measure(quick: bool) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -152,19 +133,13 @@ def _measure(quick: bool) -> list[dict]:
         theirs = _shard(_model(cfg), torch_fully_shard, reshard, mesh=mesh)
         opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
         opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
-        for _ in range(warmup):
-            _step(ours, opt_ours, tokens)
-            _step(theirs, opt_theirs, tokens)
-        t_ours, t_theirs = [], []
-        for k in range(rounds):  # alternate who goes first
-            pair = [(ours, opt_ours, t_ours), (theirs, opt_theirs, t_theirs)]
-            for model, opt, times in pair if k % 2 == 0 else pair[::-1]:
-                times.append(_timed_step(model, opt, tokens, group))
+        t_ours, t_theirs = alternating_times(partial(_step, ours, opt_ours, tokens),
+                                             partial(_step, theirs, opt_theirs, tokens), group, warmup=warmup, rounds=rounds)
         live = []
         for model, opt, buffers in ((ours, opt_ours, _plait_buffers), (theirs, opt_theirs, _torch_buffers)):
             with LiveBytes(_state_tensors(model, opt) + buffers(model)) as counter:
                 _step(model, opt, tokens)
-            live.append(_max(counter.peak, group))
+            live.append(int(max_over_ranks(counter.peak, group)))
         ctx = ours._plait_fsdp_state.ctx
         ctx.peak_unsharded_bytes = 0
         with CommDebugMode() as mode:

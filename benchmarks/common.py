@@ -50,3 +50,39 @@ def slowest_rank_time(fn: Callable[[], object], group, batch: int = 1) -> float:
     elapsed = torch.tensor([(time.perf_counter() - t0) / batch])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return elapsed.item()
+
+
+def slowest_rank_times(fn: Callable[[], object], group) -> tuple[float, float]:
+    """(wall, training-thread CPU) seconds of one call of `fn`, each the slowest rank's of
+    `group`, after a barrier. CPU time excludes waiting and other processes' load: it shows
+    a wrapper's own overhead even on a busy machine, where wall time mostly measures the
+    neighbours."""
+    dist.barrier(group=group)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return elapsed[0].item(), elapsed[1].item()
+
+
+def alternating_times(ours: Callable[[], object], theirs: Callable[[], object], group, *, warmup: int,
+                      rounds: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """`warmup` untimed calls of each, then `rounds` timed calls of each (slowest_rank_times),
+    the two alternating who goes first so that neither always runs warm."""
+    for _ in range(warmup):
+        ours()
+        theirs()
+    t_ours: list[tuple[float, float]] = []
+    t_theirs: list[tuple[float, float]] = []
+    for k in range(rounds):
+        pair = [(ours, t_ours), (theirs, t_theirs)]
+        for fn, times in pair if k % 2 == 0 else pair[::-1]:
+            times.append(slowest_rank_times(fn, group))
+    return t_ours, t_theirs
+
+
+def max_over_ranks(value: float, group) -> float:
+    """The largest `value` of any rank of `group`."""
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()

@@ -65,7 +65,7 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this group's parameters; with async_op a handle whose wait() finishes it."""
         state = self._plait_fsdp_state
-        state.lazy_init() if state.is_root is None else None
+        state.lazy_init()  # a no-op once the root is known
         if state.group is not None:
             state.group.unshard(async_op=True)
         handle = UnshardHandle(state)

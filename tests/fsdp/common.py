@@ -15,8 +15,7 @@ from torch import nn
 
 from plait import comm
 from plait.fsdp import fully_shard
-
-PER_RANK = 3  # samples per rank and step: odd
+from tests.ddp.common import PER_RANK, mine, world  # the same slicing as the DDP tests
 
 
 class Block(nn.Module):
@@ -81,16 +80,8 @@ def shard(model: nn.Module, **kwargs) -> nn.Module:
     return fully_shard(model, **kwargs)
 
 
-def world() -> tuple[object, int, int]:
-    g = comm.world_group()
-    return g, comm.get_rank(g), comm.get_world_size(g)
-
-
-def mine(t: torch.Tensor, rank: int, per: int = PER_RANK) -> torch.Tensor:
-    return t[rank * per:(rank + 1) * per]
-
-
 def global_mean(value: torch.Tensor, group) -> float:
+    """The mean over ranks, in float32 (a bfloat16 loss is averaged without rounding)."""
     t = value.detach().reshape(1).clone().float()
     comm.all_reduce(t, group=group, op="avg")
     return t.item()
@@ -121,6 +112,25 @@ def assert_grads_close(model: nn.Module, ref: nn.Module, *, atol: float, rtol: f
         assert p.grad is not None, f"{what}: parameter {name} has no gradient"
         torch.testing.assert_close(p.grad.full_tensor(), theirs[name].grad, atol=atol, rtol=rtol,
                                    msg=lambda m, name=name: f"{what}: gradient of {name}: {m}")
+
+
+def slices_to_reference(ref: nn.Module, low: nn.Module, slice_loss, n: int) -> float:
+    """The mixed-precision reference's step (see test_policies.py): `slice_loss(r)` is the loss
+    of `low` (a low-precision copy of `ref`) on rank r's slice; each slice's backward runs on
+    its own, the slices' gradients are summed in float32 in rank order and divided by n into
+    ref's .grad. Returns the mean of the slices' losses."""
+    total = {name: torch.zeros_like(p) for name, p in ref.named_parameters()}
+    losses = []
+    for r in range(n):
+        loss = slice_loss(r)
+        loss.backward()
+        for name, p in low.named_parameters():
+            total[name] += p.grad.float()
+            p.grad = None
+        losses.append(loss.float())
+    for name, p in ref.named_parameters():
+        p.grad = total[name] / n
+    return torch.stack(losses).mean().item()
 
 
 def train_parity(kind: str, model: nn.Module, ref: nn.Module, *, steps: int, rtol: float = 1e-5,

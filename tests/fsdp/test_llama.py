@@ -30,6 +30,7 @@ from plait.fsdp import MixedPrecisionPolicy, fully_shard
 from plait.models.llama import CONFIGS, Transformer
 from plait.tensor import DTensor
 from plait.testing import chunk_sizes, distributed
+from tests.fsdp.common import slices_to_reference
 from tests.models.test_llama_tp import FP32, assert_params_match, build, lm_loss, tokens
 
 STEPS = 10
@@ -103,19 +104,12 @@ def _bf16_reference_step(ref: Transformer, tok: torch.Tensor, n: int) -> float:
 
     for block in low.layers.values():
         block.register_forward_pre_hook(cast)
-    total = {name: torch.zeros_like(p) for name, p in ref.named_parameters()}
-    losses = []
-    for r in range(n):
+
+    def slice_loss(r: int) -> torch.Tensor:
         part = tok[_rows(r, n)]
-        loss = lm_loss(low(part[:, :-1]), part)
-        loss.backward()
-        for name, p in low.named_parameters():
-            total[name] += p.grad.float()
-            p.grad = None
-        losses.append(loss.float())
-    for name, p in ref.named_parameters():
-        p.grad = total[name] / n
-    return torch.stack(losses).mean().item()
+        return lm_loss(low(part[:, :-1]), part)
+
+    return slices_to_reference(ref, low, slice_loss, n)
 
 
 @distributed([2, 3], timeout=400)

@@ -27,6 +27,7 @@ from tests.fsdp.common import (
     make_opt,
     mine,
     shard,
+    slices_to_reference,
     train_parity,
     world,
 )
@@ -42,18 +43,7 @@ def _reference_bf16_step(ref, x, y, n):
         p.data = p.data.to(BF16)
     for block in low.blocks:
         block.register_forward_pre_hook(lambda mod, args: tuple(a.to(BF16) for a in args))
-    total = {name: torch.zeros_like(p) for name, p in ref.named_parameters()}
-    losses = []
-    for r in range(n):
-        loss = F.cross_entropy(low(mine(x, r).to(BF16)), mine(y, r))
-        loss.backward()
-        for name, p in low.named_parameters():
-            total[name] += p.grad.float()
-            p.grad = None
-        losses.append(loss.float())
-    for name, p in ref.named_parameters():
-        p.grad = total[name] / n
-    return torch.stack(losses).mean().item()
+    return slices_to_reference(ref, low, lambda r: F.cross_entropy(low(mine(x, r).to(BF16)), mine(y, r)), n)
 
 
 @distributed([1, 2, 3])

@@ -229,8 +229,8 @@ class _CrossEntropy(torch.autograd.Function):
             dx = -(1 - eps) * w_t * onehot
             if not is_nll:
                 big_w = float(n_classes) if w_sum is None else w_sum
-                dx = dx + logp.exp() * ((1 - eps) * w_t + eps / n_classes * big_w) - eps / n_classes * w_row * \
-                    torch.ones_like(logp)
+                # the smoothing term's -eps/V * w_k broadcasts over the rows: no (M, V_r) tensor of it
+                dx = dx + logp.exp() * ((1 - eps) * w_t + eps / n_classes * big_w) - eps / n_classes * w_row
             dx = g * dx
         local_shape = spec.local_shape
         moved = list(local_shape[:class_dim]) + list(local_shape[class_dim + 1:]) + [vr]
