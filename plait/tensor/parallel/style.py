@@ -127,6 +127,7 @@ class RowwiseParallel(_LinearStyle):
         super().__init__()
         self.input_layouts = (input_layouts or Shard(-1),)
         self.output_layouts = (output_layouts or Replicate(),)
+        self.desired_input_layouts = (Shard(-1),)  # as torch: an Embedding's becomes Replicate at apply
         self.use_local_output = use_local_output
 
     def _desired_input(self, kind: str) -> tuple[Placement]:

@@ -130,3 +130,16 @@ def test_uneven_sequence_under_sp_is_an_error_before_the_reduce_scatter():
                               r"the mesh size 2"):
         block(x)
     assert "reduce_scatter" not in mode.get_comm_counts()
+
+
+@pytest.mark.parametrize("name", ["ColwiseParallel", "RowwiseParallel", "SequenceParallel"])
+def test_a_new_style_reads_as_torchs_does(name):
+    """Scripts read a style's layouts before applying it (torchtitan does): the defaults a
+    constructed style holds are torch's, placement for placement."""
+    import torch.distributed.tensor.parallel as torch_tp
+
+    ours, theirs = getattr(__import__("plait.tensor.parallel", fromlist=[name]), name)(), getattr(torch_tp, name)()
+    for attr in ("input_layouts", "output_layouts", "desired_input_layouts", "sequence_sharding",
+                 "use_local_output"):
+        if hasattr(theirs, attr):
+            assert repr(getattr(ours, attr)) == repr(getattr(theirs, attr)), attr
