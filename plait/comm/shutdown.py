@@ -18,9 +18,10 @@ and a script that keeps `g = comm.world_group()` at module level (as the README 
 mesh or a DDP model holds it into finalization. So at exit, while the interpreter is whole,
 `_at_exit`:
 
-1. destroys every group (torch's maps, plait's caches), then collects garbage, so that every
+1. waits (bounded) for the collectives issued with `async_op=True` that have not completed;
+2. destroys every group (torch's maps, plait's caches), then collects garbage, so that every
    group no Python object still holds is destroyed here and its workers joined;
-2. for the groups a script still holds, waits until every native thread (Gloo's workers and
+3. for the groups a script still holds, waits until every native thread (Gloo's workers and
    I/O loop; not Python's own threads) is parked: none runnable and none has run across a
    short sleep in which this thread held no GIL. A worker with a drop still to do is runnable,
    or runs as soon as the GIL is free; one parked afterwards has nothing left that touches
@@ -34,12 +35,15 @@ shutdown can wait on peers still in a collective).
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
 import os
 import threading
 import time
 
 _armed = False
+_in_flight: collections.deque = collections.deque()  # async collectives' Works, oldest first
+_PRUNE_AT = 64
 _POLL_S = 0.002  # one observation window: long enough for a woken thread to be seen running
 
 
@@ -51,12 +55,33 @@ def arm() -> None:
         atexit.register(_at_exit)
 
 
+def track(work) -> None:
+    """Remember an async collective's Work until it completes, so the exit hook can wait
+    for it (a script may drop the handle without waiting)."""
+    if not _armed:
+        return  # no Gloo group: nothing to make safe
+    while _in_flight and _in_flight[0].is_completed():
+        _in_flight.popleft()
+    if len(_in_flight) >= _PRUNE_AT:  # an old op that never completes must not pin the rest
+        kept = [w for w in _in_flight if not w.is_completed()]
+        _in_flight.clear()
+        _in_flight.extend(kept)
+    _in_flight.append(work)
+
+
 def _at_exit() -> None:
     from plait.comm import group  # at exit, not import time: group imports this file
 
+    deadline = time.monotonic() + float(os.environ.get("PLAIT_EXIT_QUIESCE_S", "10"))
+    while _in_flight and time.monotonic() < deadline:
+        if _in_flight[0].is_completed():
+            _in_flight.popleft()
+        else:
+            time.sleep(_POLL_S)  # polled, not wait(): a timed-out wait would fail the op loudly
+    _in_flight.clear()
     group.destroy_process_group()
     gc.collect()
-    wait_until_native_threads_park(float(os.environ.get("PLAIT_EXIT_QUIESCE_S", "10")))
+    wait_until_native_threads_park(max(0.0, deadline - time.monotonic()))
 
 
 def _native_threads() -> list[str]:
