@@ -43,7 +43,8 @@ import time
 
 _armed = False
 _in_flight: collections.deque = collections.deque()  # async collectives' Works, oldest first
-_PRUNE_AT = 64
+_prune_at = 64  # scan the whole deque when it grows past this; doubles with what stays
+_lock = threading.Lock()  # plait.testing runs one rank per thread in a process
 _POLL_S = 0.002  # one observation window: long enough for a woken thread to be seen running
 
 
@@ -58,27 +59,30 @@ def arm() -> None:
 def track(work) -> None:
     """Remember an async collective's Work until it completes, so the exit hook can wait
     for it (a script may drop the handle without waiting)."""
+    global _prune_at
     if not _armed:
         return  # no Gloo group: nothing to make safe
-    while _in_flight and _in_flight[0].is_completed():
-        _in_flight.popleft()
-    if len(_in_flight) >= _PRUNE_AT:  # an old op that never completes must not pin the rest
-        kept = [w for w in _in_flight if not w.is_completed()]
-        _in_flight.clear()
-        _in_flight.extend(kept)
-    _in_flight.append(work)
+    with _lock:
+        while _in_flight and _in_flight[0].is_completed():
+            _in_flight.popleft()
+        if len(_in_flight) >= _prune_at:  # an old op that never completes must not pin the rest
+            kept = [w for w in _in_flight if not w.is_completed()]
+            _in_flight.clear()
+            _in_flight.extend(kept)
+            _prune_at = max(64, 2 * len(kept))
+        _in_flight.append(work)
 
 
 def _at_exit() -> None:
     from plait.comm import group  # at exit, not import time: group imports this file
 
     deadline = time.monotonic() + float(os.environ.get("PLAIT_EXIT_QUIESCE_S", "10"))
-    while _in_flight and time.monotonic() < deadline:
-        if _in_flight[0].is_completed():
-            _in_flight.popleft()
-        else:
+    with _lock:
+        pending = list(_in_flight)
+        _in_flight.clear()
+    for work in pending:
+        while not work.is_completed() and time.monotonic() < deadline:
             time.sleep(_POLL_S)  # polled, not wait(): a timed-out wait would fail the op loudly
-    _in_flight.clear()
     group.destroy_process_group()
     gc.collect()
     wait_until_native_threads_park(max(0.0, deadline - time.monotonic()))

@@ -133,3 +133,48 @@ def test_readme_examples_and_module_level_groups_exit_cleanly_under_both_launche
         results = list(pool.map(run, jobs))
     bad = [(n, lch, rc, out[-3000:]) for n, lch, rc, out in results if rc != 0 or ABORT in out]
     assert not bad, "\n".join(f"--- {n} under {lch} exited {rc}:\n{out}" for n, lch, rc, out in bad)
+
+
+def test_track_keeps_only_works_that_have_not_completed(monkeypatch):
+    from plait.comm import shutdown
+
+    class Work:
+        def __init__(self, done):
+            self.done = done
+
+        def is_completed(self):
+            return self.done
+
+    monkeypatch.setattr(shutdown, "_armed", True)
+    monkeypatch.setattr(shutdown, "_in_flight", shutdown.collections.deque())
+    monkeypatch.setattr(shutdown, "_prune_at", 64)
+    works = [Work(i % 3 != 0) for i in range(200)]
+    for w in works:
+        shutdown.track(w)
+    kept = list(shutdown._in_flight)
+    assert all(w.done for w in works if w not in kept)
+    assert {w for w in works if not w.done} <= set(kept) and len(kept) < 100
+
+
+def test_a_running_native_thread_is_not_taken_as_parked():
+    import _thread
+    import time
+
+    from plait.comm.shutdown import wait_until_native_threads_park
+
+    assert wait_until_native_threads_park(5.0)  # this process: nothing outside Python's threads runs
+    stop = []
+
+    def spin():
+        while not stop:
+            pass
+
+    _thread.start_new_thread(spin, ())  # not in threading's list, as a C++ thread would not be
+    try:
+        t0 = time.monotonic()
+        assert not wait_until_native_threads_park(0.2)
+        assert time.monotonic() - t0 >= 0.2
+    finally:
+        stop.append(1)
+    time.sleep(0.1)
+    assert wait_until_native_threads_park(5.0)
