@@ -19,9 +19,10 @@ mesh or a DDP model holds it into finalization. So at exit, while the interprete
 `_at_exit`:
 
 1. waits (bounded) for the collectives issued with `async_op=True` that have not completed;
-2. destroys every group (torch's maps, plait's caches), then collects garbage, so that every
-   group no Python object still holds is destroyed here and its workers joined;
-3. for the groups a script still holds, waits until every native thread (Gloo's workers and
+2. destroys every group (torch's maps, plait's caches), so that every group no Python object
+   still holds is destroyed here and its workers joined;
+3. for the groups still held (by the script, or by cycles that only finalization collects:
+   a gc.collect() here costs ~1 s with torch loaded), waits until every native thread (Gloo's workers and
    I/O loop; not Python's own threads) is parked: none runnable and none has run across a
    short sleep in which this thread held no GIL. A worker with a drop still to do is runnable,
    or runs as soon as the GIL is free; one parked afterwards has nothing left that touches
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import gc
 import os
 import threading
 import time
@@ -46,6 +46,9 @@ _in_flight: collections.deque = collections.deque()  # async collectives' Works,
 _prune_at = 64  # scan the whole deque when it grows past this; doubles with what stays
 _lock = threading.Lock()  # plait.testing runs one rank per thread in a process
 _POLL_S = 0.002  # one observation window: long enough for a woken thread to be seen running
+# Gloo's transport loop wakes every few ms on its own (an epoll timeout) and never touches
+# Python; counting it would make the wait a lottery. Threads are told apart by name.
+_POLLING = frozenset({"gloo_tcp_loop"})
 
 
 def arm() -> None:
@@ -84,7 +87,6 @@ def _at_exit() -> None:
         while not work.is_completed() and time.monotonic() < deadline:
             time.sleep(_POLL_S)  # polled, not wait(): a timed-out wait would fail the op loudly
     group.destroy_process_group()
-    gc.collect()
     wait_until_native_threads_park(max(0.0, deadline - time.monotonic()))
 
 
@@ -99,10 +101,14 @@ def _native_threads() -> list[str]:
 
 
 def _snapshot(tids: list[str]) -> dict[str, tuple[bool, str]] | None:
-    """tid -> (runnable, cumulative run time); None where /proc does not tell."""
+    """tid -> (runnable, cumulative run time), for threads not in `_POLLING`; None where
+    /proc does not tell."""
     seen = {}
     for tid in tids:
         try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() in _POLLING:
+                    continue
             with open(f"/proc/self/task/{tid}/stat", "rb") as f:
                 stat = f.read()
             with open(f"/proc/self/task/{tid}/schedstat") as f:
