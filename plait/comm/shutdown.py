@@ -6,7 +6,8 @@ The mechanism (pytorch#190489; reproduced in pure torch by tests/comm/test_exit.
                          reference to the Work (and so to the op's tensors) -> wait for the next op
 
 A tensor whose Python object died while C++ still held the tensor keeps that Python object
-alive from C++; freeing such a tensor takes the GIL. If the worker's drop comes after Python
+alive from C++; freeing such a tensor takes the GIL, as does a Python callback on the op's
+future (plait's Handle.get_future, DDP comm hooks), which runs on the worker. If the worker's drop comes after Python
 has begun finalizing (the main thread was quicker: a loaded machine, a short script), the
 worker's GIL request makes CPython end the thread with `pthread_exit`, whose unwinding through
 a C++ noexcept frame calls std::terminate: the core-dump line and exit code 134 after a job
@@ -22,9 +23,10 @@ mesh or a DDP model holds it into finalization. So at exit, while the interprete
 2. destroys every group (torch's maps, plait's caches), so that every group no Python object
    still holds is destroyed here and its workers joined;
 3. for the groups still held (by the script, or by cycles that only finalization collects:
-   a gc.collect() here costs ~1 s with torch loaded), waits until every native thread (Gloo's workers and
-   I/O loop; not Python's own threads) is parked: none runnable and none has run across a
-   short sleep in which this thread held no GIL. A worker with a drop still to do is runnable,
+   a gc.collect() here costs ~1 s with torch loaded), waits until every native thread
+   (Gloo's workers; not Python's own threads, nor Gloo's self-waking transport loop) is
+   parked: none runnable and none has run across a short sleep in which this thread held
+   no GIL. A worker with a drop still to do is runnable,
    or runs as soon as the GIL is free; one parked afterwards has nothing left that touches
    Python. The wait is bounded (`PLAIT_EXIT_QUIESCE_S`, default 10 s): a thread that never
    parks (an op whose peer never comes) cannot be made safe from Python.
@@ -90,12 +92,13 @@ def _at_exit() -> None:
     wait_until_native_threads_park(max(0.0, deadline - time.monotonic()))
 
 
-def _native_threads() -> list[str]:
-    """Thread ids of this process that Python's threading module did not start."""
+def _native_threads() -> list[str] | None:
+    """Thread ids of this process that Python's threading module did not start; None
+    without /proc."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return []
+        return None
     python = {t.native_id for t in threading.enumerate()}
     return [tid for tid in tids if int(tid) not in python]
 
@@ -128,6 +131,9 @@ def wait_until_native_threads_park(timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         tids = _native_threads()
+        if tids is None:
+            time.sleep(_POLL_S)
+            return False
         if not tids:
             return True
         before = _snapshot(tids)
