@@ -3,10 +3,12 @@
 The mechanism (plait/comm/shutdown.py): a Gloo worker thread that needs the GIL after the
 interpreter began finalizing is ended by CPython with pthread_exit, which calls
 std::terminate ("terminate called without an active exception", exit code 134). The first
-test reproduces it in pure torch, deterministically: an op completes while finalization is
-held open, and its future's Python callback must run on the worker. The second runs the same
-script through plait and exits cleanly. The third runs the README's examples and the
-module-level-group pattern under both launchers.
+test runs a script in which an op completes while finalization is held open and its
+future's Python callback must run on the worker: through plait it exits cleanly. (The same
+script in pure torch, TORCH below, aborted in 2 of 3 runs under load and 0 of 2 on a quieter
+machine: timing-dependent, so it is not a test here. Through plait with the exit hook
+disabled it aborted too.) The next runs the README's examples and the module-level-group
+pattern under both launchers.
 
 N = 1 run per (script, launcher) here, to keep the suite's time; the 20-runs-each figures,
 under load, are in the issue's closing note. A failure is never rerun.
@@ -96,14 +98,6 @@ def _two_ranks(script: str) -> list[tuple[int, str]]:
         for p in procs:
             p.kill()
     return results
-
-
-def test_pure_torch_aborts_when_gloo_needs_the_gil_during_finalization():
-    # the control: if this ever passes cleanly, torch fixed pytorch#190489 and the exit hook
-    # in plait/comm/shutdown.py can be reconsidered
-    (rc0, out0), (rc1, out1) = _two_ranks(TORCH)
-    assert "rank 0 done" in out0 and "rank 1 done" in out1, (out0, out1)
-    assert rc0 != 0 and ABORT in out0, (rc0, out0)
 
 
 def test_plait_finishes_gloo_work_before_finalization():
