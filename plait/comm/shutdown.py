@@ -1,6 +1,6 @@
 """A clean exit for a job that used Gloo: no "terminate called without an active exception".
 
-The mechanism (pytorch#190489; reproduced in pure torch by tests/comm/test_exit.py):
+The mechanism (pytorch#190489; the script in tests/comm/test_exit.py reproduces it):
 
     Gloo worker thread:  run op -> mark its Work completed -> [main thread wakes] -> drop its
                          reference to the Work (and so to the op's tensors) -> wait for the next op
