@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from plait.comm import _c10d, checks, events
+from plait.comm import _c10d, checks, events, shutdown
 from plait.comm.eager import eager_only
 from plait.comm.group import GroupInfo, group_info
 from plait.comm.work import Handle, completed
@@ -76,7 +76,11 @@ def _end(work: Any, finish: Callable[[], Any], event: events.CommEvent | None, a
     c10d waited for it in C++ and `work` is None: no Python-held Work outlives the call
     (one held past a Gloo op's completion can abort the process at exit, pytorch#190489)."""
     handle = Handle(work, finish, event)
-    return handle if async_op else handle.wait()
+    if not async_op:
+        return handle.wait()
+    if work is not None:
+        shutdown.track(work)
+    return handle
 
 
 def _local(result: Any, event: events.CommEvent | None, async_op: bool) -> Any:

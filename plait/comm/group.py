@@ -9,7 +9,6 @@ group, so nothing grows with the number of calls (pytorch#153302).
 
 from __future__ import annotations
 
-import atexit
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -17,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from plait.comm import shutdown
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -40,7 +41,6 @@ class GroupInfo:
 
 
 _infos: dict[str, GroupInfo] = {}
-_exit_hook = False
 _groups_by_ranks: dict[tuple[int, ...], ProcessGroup] = {}
 
 
@@ -121,15 +121,8 @@ def init_process_group(
         timeout=timeout,
         device_id=device_id,
     )
-    global _exit_hook
-    if backend == "gloo" and not _exit_hook:
-        # A script that never destroys its groups leaves Gloo's worker threads holding work
-        # (and tensors) into interpreter finalization, which can abort the process at exit
-        # ("terminate called without an active exception", pytorch#190489): destroy them
-        # while the interpreter is still whole. A no-op after the script's own destroy. Not
-        # for NCCL, whose shutdown can wait on peers that are still in a collective.
-        atexit.register(destroy_process_group)
-        _exit_hook = True
+    if backend == "gloo":
+        shutdown.arm()  # destroy groups and let Gloo's workers finish before finalization
     return world_group()
 
 
@@ -178,6 +171,8 @@ def group_info(group: ProcessGroup) -> GroupInfo:
         if me not in ranks:
             raise ValueError(f"global rank {me} is not a member of group {name} with ranks {list(ranks)}")
         backend = str(dist.get_backend(group))
+        if backend == "gloo":
+            shutdown.arm()  # a group started by torch's own init_process_group
         info = _infos[name] = GroupInfo(name, ranks, ranks.index(me), backend)
     return info
 
