@@ -53,6 +53,16 @@ _POLL_S = 0.002  # one observation window: long enough for a woken thread to be 
 _POLLING = frozenset({"gloo_tcp_loop"})
 
 
+_before_exit: list = []  # listeners that must still see the groups (plait.debug's last state)
+
+
+def before_exit(fn) -> None:
+    """Run `fn()` at exit before any group is destroyed (once per fn). plait.debug publishes
+    each rank's last state there: destroyed groups would report no op at all."""
+    if fn not in _before_exit:
+        _before_exit.append(fn)
+
+
 def arm() -> None:
     """Register the exit hook (once per process)."""
     global _armed
@@ -81,6 +91,8 @@ def track(work) -> None:
 def _at_exit() -> None:
     from plait.comm import group  # at exit, not import time: group imports this file
 
+    for fn in _before_exit:
+        fn()
     deadline = time.monotonic() + float(os.environ.get("PLAIT_EXIT_QUIESCE_S", "10"))
     with _lock:
         pending = list(_in_flight)

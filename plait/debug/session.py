@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from plait.comm import events
+from plait.comm import events, shutdown
 from plait.debug import channel, trace, triggers, wrap
 from plait.debug import dump as dumps
 from plait.debug.callsite import call_site, stack
@@ -147,6 +147,7 @@ _session: Session | None = None
 _recorder: FlightRecorder | None = None
 _exit_error: BaseException | None = None
 _hooks_registered = False
+_exited = False  # _at_exit ran (it is reached from two hooks)
 
 
 def apply(config: DebugConfig) -> None:
@@ -265,9 +266,13 @@ def _on_exception(error: BaseException) -> None:
 
 
 def _at_exit() -> None:
+    """Once per process: from plait.comm's exit hook while the groups still exist (it runs
+    first: registered later), or from atexit where no Gloo group armed that hook."""
+    global _exited
     s = _session
-    if s is None:
+    if s is None or _exited:
         return
+    _exited = True
     rank = dumps.global_rank()
     if s.summary is not None and s.summary.totals():
         sys.stderr.write("[plait.debug] " + s.summary.text(rank).replace("\n", "\n[plait.debug] ") + "\n")
@@ -294,4 +299,5 @@ def _register_process_hooks() -> None:
     if not _hooks_registered:
         _hooks_registered = True
         atexit.register(_at_exit)
+        shutdown.before_exit(_at_exit)
         os.register_at_fork(after_in_child=_after_fork_in_child)
