@@ -79,7 +79,7 @@ def _end(work: Any, finish: Callable[[], Any], event: events.CommEvent | None, a
     if not async_op:
         return handle.wait()
     if work is not None:
-        shutdown.track(work)
+        shutdown.track(handle)
     return handle
 
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from plait.comm import events
+from plait.comm import events, shutdown
 
 
 class Handle:
     """An op in flight. `wait()` blocks until it completes and returns its result."""
 
-    __slots__ = ("_work", "_finish", "_event", "_done", "_result", "_lock")
+    __slots__ = ("_work", "_finish", "_event", "_done", "_result", "_lock", "__weakref__")
 
     def __init__(
         self,
@@ -53,8 +53,15 @@ class Handle:
         if not self._done:
             if self._work is not None:
                 self._work.wait()
-            return self._complete()
+            result = self._complete()
+            self._work = None  # a held Work holds the op's buffers
+            return result
         return self._result
+
+    def __del__(self, _dropped: Callable[[Any], None] = shutdown.dropped) -> None:
+        # bound at definition: a handle collected during finalization finds the module cleared
+        if not self._done and self._work is not None:
+            _dropped(self._work)
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()

@@ -129,7 +129,7 @@ def test_readme_examples_and_module_level_groups_exit_cleanly_under_both_launche
     assert not bad, "\n".join(f"--- {n} under {lch} exited {rc}:\n{out}" for n, lch, rc, out in bad)
 
 
-def test_track_keeps_only_works_that_have_not_completed(monkeypatch):
+def test_dropped_keeps_only_works_that_have_not_completed(monkeypatch):
     from plait.comm import shutdown
 
     class Work:
@@ -144,10 +144,42 @@ def test_track_keeps_only_works_that_have_not_completed(monkeypatch):
     monkeypatch.setattr(shutdown, "_prune_at", 64)
     works = [Work(i % 3 != 0) for i in range(200)]
     for w in works:
-        shutdown.track(w)
+        shutdown.dropped(w)
     kept = list(shutdown._in_flight)
     assert all(w.done for w in works if w not in kept)
     assert {w for w in works if not w.done} <= set(kept) and len(kept) < 100
+
+
+def test_the_exit_hook_sees_unwaited_ops_and_holds_no_waited_one(monkeypatch):
+    """A Work holds its op's buffers: the hook must know every op not waited for (held or
+    dropped by the script) and keep no Work of an op already waited for."""
+    from plait.comm import shutdown
+    from plait.comm.work import Handle
+
+    class Work:
+        def __init__(self):
+            self.done = False
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            self.done = True
+
+    monkeypatch.setattr(shutdown, "_armed", True)
+    monkeypatch.setattr(shutdown, "_live", shutdown.weakref.WeakSet())
+    monkeypatch.setattr(shutdown, "_in_flight", shutdown.collections.deque())
+    held, dropped, waited = Work(), Work(), Work()
+    handles = [Handle(w, lambda: None) for w in (held, dropped, waited)]
+    for h in handles:
+        shutdown.track(h)
+    handles[2].wait()
+    assert handles[2]._work is None, "a waited handle keeps no Work"
+    del handles[1]  # dropped unwaited: its Work is kept until it completes
+    assert set(map(id, shutdown.pending_works())) == {id(held), id(dropped)}
+    held.done = dropped.done = True
+    del handles
+    assert all(w.is_completed() for w in shutdown.pending_works())
 
 
 def test_a_running_native_thread_is_not_taken_as_parked():
