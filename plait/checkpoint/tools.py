@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import sys
 
 import torch
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
 
             n = import_torch_dcp(args.dir, args.out)
             print(f"converted {args.dir} -> {args.out}: {n['tensors']} tensors, {n['values']} values")
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, pickle.UnpicklingError) as e:
         print(f"plait checkpoint {args.cmd}: {e}", file=sys.stderr)
         return 1
     return 0
