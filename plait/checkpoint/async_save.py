@@ -61,14 +61,14 @@ def _background(p: Prepared, items: list[WriteItem]):
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
-               process_group: ProcessGroup | None = None) -> Future:
+               process_group: ProcessGroup | None = None, no_dist: bool = False) -> Future:
     """torch's async_save: returns once the state is staged; the Future resolves when written."""
     global _executor, _previous
     with _lock:
         previous, _previous = _previous, None
     if previous is not None:
         previous.result()  # the next save waits for the previous (and reports its failure)
-    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group)
+    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group, no_dist)
     with torch.no_grad():
         items = stage(p.plan.items)
     with _lock:
