@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 from plait.checkpoint import commit
 from plait.checkpoint.planner import DefaultSavePlanner, WriteItem
-from plait.checkpoint.save import COMMIT_TIMEOUT_S, Prepared, prepare, write_own
+from plait.checkpoint.saver import COMMIT_TIMEOUT_S, Prepared, prepare, write_own
 from plait.checkpoint.storage import FileSystemWriter
 
 # One background writer per process, and the save it is running: the next save waits for
