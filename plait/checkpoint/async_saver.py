@@ -59,6 +59,18 @@ def _background(p: Prepared, items: list[WriteItem]):
     return None
 
 
+def wait_previous() -> None:
+    """Wait for this process's running async save, if any (a sync save calls it, so two saves
+    never write at once); its failure stays with its Future."""
+    with _lock:
+        previous = _previous
+    if previous is not None:
+        try:
+            previous.result()
+        except Exception:  # noqa: BLE001, S110 - reported by the Future's owner
+            pass
+
+
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
                process_group: ProcessGroup | None = None, no_dist: bool = False) -> Future:

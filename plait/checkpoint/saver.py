@@ -96,6 +96,9 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     directory `checkpoint_id`, every rank writing its own chunks. Collective over
     `process_group` (default: the world, or this process alone when none is initialized or
     no_dist=True)."""
+    from plait.checkpoint.async_saver import wait_previous  # async_saver builds on this module
+
+    wait_previous()
     p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group, no_dist)
     p.group.agree(write_own(p, p.plan.items))
     error, metadata = None, None
