@@ -206,3 +206,17 @@ def test_param_init_fn_from_meta():
                                          "Linear"]), called
         assert_full_params_close(model, ref, atol=0, rtol=0, what=f"meta init, sync={sync}")
     train_parity("mlp", model, ref, steps=3)
+
+
+@distributed([2])
+def test_activation_checkpointing_inside_units():
+    """FSDP1 scripts apply activation checkpointing after wrapping: each unit's block is
+    then a CheckpointWrapper; names, state dicts and numbers stay the plain model's."""
+    from plait.activation_checkpoint import CheckpointWrapper, apply_activation_checkpointing
+    from tests.fsdp.common import Block
+
+    model, ref = wrap(build("mlp")), build("mlp")
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    assert all(isinstance(u.module, CheckpointWrapper) for u in FSDP.fsdp_modules(model)[1:])
+    assert list(model.state_dict()) == list(ref.state_dict())
+    train_parity("mlp", model, ref, steps=3)
