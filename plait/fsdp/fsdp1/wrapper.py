@@ -12,12 +12,23 @@ original names (inside `_fsdp_wrapped_module`); named_parameters(), state dicts 
 optimizer state dicts show the names without `_fsdp_wrapped_module.` (and without
 activation checkpointing's `_checkpoint_wrapped_module.`), as torch's do.
 
-use_orig_params: plait always behaves as torch does with use_orig_params=True
-(named_parameters yields the original FQNs, sharded; the optimizer steps on them, so
-parameter groups per layer work). With use_orig_params=False torch flattens each unit into
-one 1-D FlatParameter named `_flat_param`; plait does not: the optimizer, named_parameters
-and optim_state_dict see per-parameter shards (state dicts, the numbers trained and the
-collectives per step are the same).
+Where plait differs from torch, and why:
+- use_orig_params: plait always behaves as torch does with use_orig_params=True
+  (named_parameters yields the original FQNs, sharded; the optimizer steps on them, so
+  parameter groups per layer work). With False torch flattens each unit into one 1-D
+  FlatParameter `_flat_param`; plait keeps the engine's per-parameter Shard(0) DTensors
+  (one flat buffer per unit exists, but only for the collectives): model.parameters() and
+  the optimizer see per-parameter shards. State dicts, optim_state_dict (keyed by FQN in
+  both), the numbers trained and the collectives per step are the same.
+- LOCAL_STATE_DICT: each parameter's local shard (a plain tensor) under its FQN, not a
+  ShardedTensor of `_flat_param` (there is no flat parameter; see above).
+- NO_SHARD: parameters are (Replicate(), Shard(0)) DTensors on an (N, 1) mesh; during a
+  step the gathered copy lives beside the shard (torch's NO_SHARD holds one copy).
+- HYBRID_SHARD without device_mesh or a group pair raises: torch infers the node size
+  from the CUDA device count, which a CPU/Gloo job does not have.
+- keep_low_precision_grads=True raises NotImplementedError (reason at the check);
+  limit_all_gathers is accepted and has no effect (the engine frees each unit's gathered
+  parameters as it goes and prefetches at most one unit ahead).
 """
 
 from __future__ import annotations
