@@ -58,9 +58,9 @@ class Tied(nn.Module):
         self.head = nn.Linear(6, 11, bias=False)
         self.head.weight = self.emb.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 7) float -> (B, 11)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 7) float -> (B, 5)
         ids = (x.abs() * 10).long().clamp(max=10)[:, 0]  # (B,)
-        return self.head(torch.tanh(self.mid(self.emb(ids))))
+        return self.head(torch.tanh(self.mid(self.emb(ids))))[:, :5]  # (B, 11) -> (B, 5)
 
 
 def build(seed: int = 0, *, tied: bool = False) -> nn.Module:

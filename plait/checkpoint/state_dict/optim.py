@@ -167,17 +167,19 @@ def _unflatten(optim: torch.optim.Optimizer, fqns: dict[torch.Tensor, list[str]]
     return {STATE: state, PG: groups}
 
 
-def _like_param(value: Any, p: torch.Tensor) -> Any:
+def _like_param(value: Any, p: torch.Tensor, full: bool) -> Any:
     """A plain state tensor shaped like DTensor parameter `p` (from a full state) becomes `p`'s piece
-    of it; anything else (step, factored states, already-sharded values) stays as given."""
+    of it; anything else (step, factored states, already-sharded values) stays as given, copied
+    when the state is a full one: optim.load_state_dict keeps the tensors it is given and steps
+    them in place (`step += 1`), which must not reach the caller's full state."""
     if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
             and tuple(value.shape) == tuple(p.shape) and value.dim() > 0:
         return to_local_layout("", value, p)
-    return value
+    return value.clone() if full and isinstance(value, torch.Tensor) else value
 
 
 def _for_optim(optim: torch.optim.Optimizer, fqns: dict[torch.Tensor, list[str]], osd: dict[str, Any],
-               strict: bool) -> tuple[dict[str, Any], list[str]]:
+               strict: bool, full: bool) -> tuple[dict[str, Any], list[str]]:
     """`optim`'s part of a merged FQN-keyed state, in its own param-id form; the missing FQNs."""
     loaded_groups = {fqn: group for group in osd[PG] for fqn in group[PARAMS]}
     ordered = list(chain.from_iterable(g[PARAMS] for g in optim.param_groups))
@@ -189,7 +191,7 @@ def _for_optim(optim: torch.optim.Optimizer, fqns: dict[torch.Tensor, list[str]]
             assert ordered[pid] is p
             fqn = next((n for n in fqns[p] if n in loaded_groups or n in osd[STATE]), fqns[p][0])
             if fqn in osd[STATE]:
-                state[pid] = {k: _like_param(v, p) for k, v in osd[STATE][fqn].items()}
+                state[pid] = {k: _like_param(v, p, full) for k, v in osd[STATE][fqn].items()}
             elif p.requires_grad:
                 missing.append(fqn)
             source = source or loaded_groups.get(fqn)
@@ -224,7 +226,7 @@ def set_optim_state(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...],
     for optim, fqns in per_optim:
         _init_optim_state(optim)
         nested = osd if STATE in osd else _unflatten(optim, fqns, osd, options.strict)
-        own, missing = _for_optim(optim, fqns, nested, options.strict)
+        own, missing = _for_optim(optim, fqns, nested, options.strict, options.full_state_dict)
         if missing and options.strict:
             raise_key_problems([f"{STATE}.{m}" for m in missing], [], "set_optimizer_state_dict")
         optim.load_state_dict(own)
