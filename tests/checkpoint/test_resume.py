@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map_only
 import plait.checkpoint as dcp
 from plait.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from plait.testing import run_distributed
-from tests.checkpoint._layouts import build, full_state, lay_out, make_opt, step, world
+from tests.checkpoint._layouts import build, full_state, lay_out, make_opt, step
 from tests.checkpoint.test_state_dict import TOL
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
