@@ -7,7 +7,8 @@ dim by none of 2, 3, 4 (FSDP's dim-0 and FSDP+TP's dim-1 pieces are uneven). `Ti
 Layouts (built on every rank of the world): single (one process's model, as is), ddp,
 replicate, fsdp (per layer + root), hsdp (2 x world/2), tp (inp colwise, mid.lin rowwise),
 fsdp_tp (dp=2 x tp=world/2), pp (split_model: rank r holds stage r of [[inp, mid], [out]]),
-compile (torch.compile'd), ac (mid wrapped by checkpoint_wrapper).
+compile (torch.compile'd), ac (mid wrapped by checkpoint_wrapper), fsdp1
+(FullyShardedDataParallel with mid, checkpoint-wrapped, as its own unit).
 
 Step protocol: a global batch of 12 from the step's seed. Data-parallel layouts train rank
 r's equal slice (their averaged grads are the whole batch's); tp and pp train the whole batch.
@@ -88,7 +89,7 @@ def world() -> tuple[int, int]:
 LAYOUTS = {
     "single": ((1,), False), "ddp": ((2, 3), True), "replicate": ((2, 3), True),
     "fsdp": ((2, 3, 4), True), "hsdp": ((4,), True), "tp": ((2, 3), False), "fsdp_tp": ((4,), True),
-    "pp": ((2,), False), "compile": ((1,), False), "ac": ((1, 2), False),
+    "pp": ((2,), False), "compile": ((1,), False), "ac": ((1, 2), False), "fsdp1": ((2, 3), True),
 }
 
 
@@ -129,9 +130,15 @@ def lay_out(model: nn.Module, layout: str) -> nn.Module:
     if layout == "compile":
         return torch.compile(model)
     if layout == "ac":
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from plait.activation_checkpoint import checkpoint_wrapper
         model.mid = checkpoint_wrapper(model.mid)
         return model
+    if layout == "fsdp1":  # FSDP1's wrapper, mid wrapped on its own, around activation checkpointing
+        from plait.activation_checkpoint import checkpoint_wrapper
+        from plait.fsdp import FullyShardedDataParallel
+        from plait.fsdp.wrap import ModuleWrapPolicy
+        model.mid = checkpoint_wrapper(model.mid)
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.mid)}))
     raise ValueError(layout)
 
 

@@ -32,7 +32,7 @@ PAIRS = [  # (source, its world, target, its world)
         "instead of deduplicating equal chunks as torch's planner does"))),
     ("ddp", 2, "hsdp", 4), ("hsdp", 4, "ddp", 2), ("fsdp", 4, "fsdp", 2),
     ("replicate", 3, "tp", 2), ("tp", 2, "replicate", 2), ("fsdp", 2, "ac", 2), ("ac", 1, "compile", 1),
-    ("compile", 1, "fsdp", 4),
+    ("compile", 1, "fsdp1", 3), ("fsdp1", 2, "tp", 2),
 ]
 
 

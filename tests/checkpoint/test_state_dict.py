@@ -21,7 +21,8 @@ from tests.checkpoint._layouts import build, full_state, lay_out, make_opt, step
 
 TOL = dict(rtol=1e-4, atol=1e-6)
 CASES = [("single", 1), ("ddp", 2), ("replicate", 3), ("fsdp", 2), ("fsdp", 3), ("hsdp", 4), ("tp", 2),
-         ("tp", 3), ("fsdp_tp", 4), ("pp", 2), ("compile", 1), ("ac", 2)]
+         ("tp", 3), ("fsdp_tp", 4), ("pp", 2), ("compile", 1), ("ac", 2),
+         ("fsdp1", 2), ("fsdp1", 3)]
 TIED = [("single", 1), ("ddp", 2), ("fsdp", 3)]
 
 
@@ -58,7 +59,7 @@ def full_equals_reference(layout: str, tied: bool) -> bool:
         step(ref, ref_opt, "single", i)
         step(model, opt, layout, i)
     sharded, sharded_optim = get_state_dict(model, opt)
-    if layout in ("fsdp", "tp", "fsdp_tp", "hsdp"):  # the default (not full) state keeps DTensors
+    if layout in ("fsdp", "tp", "fsdp_tp", "hsdp", "fsdp1"):  # the default (not full) state keeps DTensors
         assert any(isinstance(v, DTensor) for v in sharded.values())
         assert any(isinstance(s["exp_avg"], DTensor) for s in sharded_optim["state"].values())
     assert_states(*full_state(model, opt), *get_state_dict(ref, ref_opt), layout, exact=False)
@@ -99,6 +100,7 @@ def test_set_from_one_process_then_step(layout, n, tied):
     assert all(_run(set_from_reference, n, layout, tied, False))
 
 
-@pytest.mark.parametrize("layout,n", [("ddp", 2), ("fsdp", 3), ("tp", 2), ("fsdp_tp", 4), ("pp", 2)], ids=str)
+@pytest.mark.parametrize("layout,n", [("ddp", 2), ("fsdp", 3), ("tp", 2), ("fsdp_tp", 4), ("pp", 2), ("fsdp1", 3)],
+                         ids=str)
 def test_broadcast_from_rank0(layout, n):
     assert all(_run(set_from_reference, n, layout, False, True))

@@ -7,11 +7,14 @@
           -> strict key check (before anything is copied) -> plain full tensors cut to the
           local DTensor's piece -> keys renamed to the model's own -> model.load_state_dict
 
+FullyShardedDataParallel (FSDP1) units are read and loaded as SHARDED_STATE_DICT, whose
+DTensors everything above handles as fully_shard's.
 Invariant: get then set, in any two layouts of one model, gives back the same values.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -29,10 +32,22 @@ from plait.checkpoint.state_dict.full import (
 from plait.checkpoint.state_dict.options import StateDictKeyError, StateDictOptions
 
 
+def sharded_fsdp1(model: nn.Module) -> contextlib.AbstractContextManager:
+    """FullyShardedDataParallel units give their state as SHARDED_STATE_DICT within (Shard(0)
+    DTensors under the original FQNs, like fully_shard's), as torch's get_state_dict sets."""
+    if not any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return contextlib.nullcontext()
+    from plait.fsdp import FullyShardedDataParallel, StateDictType
+
+    return FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+
+
 def local_model_state(model: nn.Module) -> dict[str, tuple[str, Any]]:
     """canonical fqn -> (the model's own key, its current value)."""
     out: dict[str, tuple[str, Any]] = {}
-    for key, value in model.state_dict().items():
+    with sharded_fsdp1(model):
+        state = model.state_dict()
+    for key, value in state.items():
         fqn = canonical_fqn(model, key)
         if fqn in out:
             raise RuntimeError(f"two state dict keys {out[fqn][0]!r} and {key!r} of "
@@ -112,5 +127,6 @@ def set_model_state(model: nn.Module, state_dict: dict[str, Any], options: State
             continue
         key, current = local[fqn]
         own[key] = to_local_layout(fqn, value, current)
-    model.load_state_dict(own, strict=False)
+    with sharded_fsdp1(model):
+        model.load_state_dict(own, strict=False)
     return _IncompatibleKeys(missing, unexpected)
