@@ -72,6 +72,11 @@ class StatefulDataLoader(DataLoader):
     The state is `{"sampler": <the sampler's state after the last delivered batch>}`; with a
     StatefulDistributedSampler it is global, so a loader with another number of replicas resumes
     the same sample stream. Map-style datasets only (an IterableDataset has no sampler to resume).
+
+    As torch's, creating an iterator draws its base seed from `generator`, or from torch's global
+    generator when none is given; a job that restores plait.data.RNGState and then creates its
+    iterator has drawn once more than the uninterrupted one, so pass `generator=` for a bitwise
+    resume of the global random stream.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
