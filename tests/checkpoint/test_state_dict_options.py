@@ -133,3 +133,43 @@ def test_flatten_fsdp_state_is_dtensors_and_loads_back():
             assert torch.equal(got[k].to_local(), v.to_local()), k
         else:
             assert (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v), k
+
+
+def test_two_optimizers_merge_and_split_like_torchs():
+    from torch.distributed.checkpoint import state_dict as torch_sd
+
+    def make(seed):
+        model = build(seed)
+        opts = [torch.optim.AdamW([*model.inp.parameters(), *model.mid.parameters()], lr=1e-2),
+                torch.optim.SGD(model.out.parameters(), lr=0.1, momentum=0.9)]
+        return model, opts
+
+    model, opts = make(0)
+    step(model, opts[0], "single", 0)
+    opts[1].step()
+    _, osd = get_state_dict(model, opts)
+    _, theirs = torch_sd.get_state_dict(model, opts)
+    assert list(osd["state"]) == list(theirs["state"]) and osd["param_groups"] == theirs["param_groups"]
+    fresh, fresh_opts = make(3)
+    set_optimizer_state_dict(fresh, fresh_opts, osd)
+    for mine, ref in zip(fresh_opts, opts):
+        assert mine.state_dict()["param_groups"] == ref.state_dict()["param_groups"]
+        for pid, state in ref.state_dict()["state"].items():
+            for k, v in state.items():
+                assert torch.equal(mine.state_dict()["state"][pid][k], v), (pid, k)
+
+
+@distributed(world_sizes=[2])
+def test_bf16_fsdp_model_from_fp32_full_state():
+    ref, ref_opt = trained()
+    model = lay_out(build(5).to(torch.bfloat16), "fsdp")
+    opt = make_opt(model)
+    msd, osd = get_state_dict(ref, ref_opt)
+    set_model_state_dict(model, msd, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(full_state_dict=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for k, v in full.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, msd[k].to(torch.bfloat16)), k
+    state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))["state"]
+    for fqn, s in state.items():  # torch's optimizer casts state to its parameter's dtype on load
+        assert torch.equal(s["exp_avg"], osd["state"][fqn]["exp_avg"].to(torch.bfloat16)), fqn
