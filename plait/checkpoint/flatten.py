@@ -3,8 +3,8 @@
     {"model": {"w": T}, "optim": {"state": {0: {"step": T}}, "param_groups": [{...}]}}
       -> {"model.w": T, "optim.state.0.step": T, "optim.param_groups": [{...}]}
 
-Dicts are walked; a list or tuple is walked only when a tensor lies inside it (optimizer
-param_groups stay one JSON value). Keys are joined with "." as torch's DCP does; two paths
+A dict, list or tuple is walked only when a tensor lies inside it (the root always is):
+optimizer param_groups, a data loader's counters stay one JSON value each, loaded whole. Keys are joined with "." as torch's DCP does; two paths
 that join to the same key are refused. `assign` writes a loaded value back by path,
 rebuilding tuples, which cannot be assigned into.
 """
@@ -35,7 +35,7 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Pa
     paths: dict[str, Path] = {}
 
     def walk(value: Any, path: Path) -> None:
-        if isinstance(value, Mapping) and path == () or isinstance(value, Mapping) and value:
+        if isinstance(value, Mapping) and (path == () or _holds_tensor(value)):
             items = value.items()
         elif isinstance(value, (list, tuple)) and _holds_tensor(value):
             items = enumerate(value)

@@ -155,6 +155,15 @@ def _overlap(a_off, a_size, b_off, b_size) -> tuple[list[int], list[int]] | None
     return lo, [h - a for a, h in zip(lo, hi)]
 
 
+def _missing(fqn: str, v: Any, metadata: Metadata, where: str) -> str:
+    msg = f"missing key {fqn!r}: the state dict has it, {where} does not"
+    below = [k for k in (*metadata.tensors, *metadata.values) if k.startswith(fqn + ".")]
+    if below and v == {}:
+        msg += (f" (it saved {len(below)} keys under it, e.g. {below[0]!r}: an optimizer whose state "
+                "is not created yet? call plait.checkpoint.state_dict._init_optim_state(optim) first)")
+    return msg
+
+
 class DefaultLoadPlanner:
     """torch's DefaultLoadPlanner. allow_partial_load=True reports keys missing from the
     checkpoint, unexpected saved keys and shape/dtype mismatches (warnings, and
@@ -193,7 +202,7 @@ class DefaultLoadPlanner:
                 self._problem(f"state_dict[{fqn!r}] is a {type(v).__name__} but {where} saved a tensor "
                               f"{metadata.tensors[fqn].dtype}{metadata.tensors[fqn].shape} there")
             else:
-                self._problem(f"missing key {fqn!r}: the state dict has it, {where} does not")
+                self._problem(_missing(fqn, v, metadata, where))
         return plan
 
     def _plan_tensor(self, fqn: str, v: torch.Tensor, metadata: Metadata, where: str, plan: LoadPlan) -> None:
@@ -203,7 +212,7 @@ class DefaultLoadPlanner:
                 self._problem(f"state_dict[{fqn!r}] is a tensor but {where} saved a "
                               f"non-tensor value {values_mod.decode(metadata.values[fqn])!r} there")
             else:
-                self._problem(f"missing key {fqn!r}: the state dict has it, {where} does not")
+                self._problem(_missing(fqn, v, metadata, where))
             return
         if list(v.shape) != list(meta.shape) or dtype_name(v.dtype) != meta.dtype:
             self._problem(f"state_dict[{fqn!r}] is {dtype_name(v.dtype)}{list(v.shape)} but {where} "

@@ -35,11 +35,11 @@ def encode(value: Any, *, key: str) -> Any:
     if isinstance(value, torch.Size):
         return {"$size": list(value)}
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v, key=key) for v in value]}
+        return {"$tuple": [encode(v, key=f"{key}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, key=key) for v in value]
+        return [encode(v, key=f"{key}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {"$dict": [[encode(k, key=key), encode(v, key=key)] for k, v in value.items()]}
+        return {"$dict": [[encode(k, key=f"{key} (a key)"), encode(v, key=f"{key}.{k}")] for k, v in value.items()]}
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
