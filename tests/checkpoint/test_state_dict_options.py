@@ -173,3 +173,17 @@ def test_bf16_fsdp_model_from_fp32_full_state():
     state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))["state"]
     for fqn, s in state.items():  # torch's optimizer casts state to its parameter's dtype on load
         assert torch.equal(s["exp_avg"], osd["state"][fqn]["exp_avg"].to(torch.bfloat16)), fqn
+
+
+@distributed(world_sizes=[2])
+def test_broadcast_of_a_sharded_state_is_an_error_on_every_rank():
+    """Rank 0's DTensor cannot be gathered by rank 0 alone: every rank raises, none hangs."""
+    model, opt = trained("fsdp")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sharded = get_model_state_dict(model) if world()[0] == 0 else {}
+    with pytest.raises(ValueError, match=r"rank 0's 'inp.weight' is a DTensor"):
+        set_model_state_dict(model, sharded, options=options)
+    with pytest.raises(ValueError, match=r"rank 0 passed no state dict"):
+        set_optimizer_state_dict(model, opt, {}, options=options)
+    with pytest.raises(StateDictKeyError, match=r"missing key\(s\) \['inp.weight'"):
+        set_model_state_dict(model, {}, options=options)

@@ -106,6 +106,23 @@ def _broadcast_bytes(data: bytes | None, group: Any, device: torch.device) -> by
     return buf.cpu().numpy().tobytes()
 
 
+def _header(flat: dict[str, Any] | None) -> Any:
+    """Rank 0's list of entries, or {"error": why} (sent, so no rank waits on a rank that raised)."""
+    if flat is None:
+        return {"error": "broadcast_from_rank0: rank 0 passed no state dict"}
+    entries = []
+    try:
+        for k, v in flat.items():
+            if isinstance(v, DTensor):  # gathering it would be a collective of rank 0 alone
+                raise TypeError(f"broadcast_from_rank0: rank 0's {k!r} is a DTensor; rank 0 must hold a "
+                                "full state of plain tensors (get it with full_state_dict=True)")
+            entries.append([k, "tensor", list(v.shape), str(v.dtype).removeprefix("torch.")]
+                           if isinstance(v, torch.Tensor) else [k, "value", _encode(v, k)])
+    except TypeError as e:
+        return {"error": str(e)}
+    return entries
+
+
 def broadcast_flat(flat: dict[str, Any] | None, *, device: torch.device, wanted: Callable[[str], bool],
                    check: Callable[[list[str]], None]) -> dict[str, Any]:
     """Rank 0's `flat` (str keys -> tensors or JSON-like values) on every rank, keeping the keys
@@ -114,11 +131,10 @@ def broadcast_flat(flat: dict[str, Any] | None, *, device: torch.device, wanted:
     rank = comm.get_rank(group)
     header = None
     if rank == 0:
-        assert flat is not None
-        header = json.dumps([
-            [k, "tensor", list(v.shape), str(v.dtype).removeprefix("torch.")] if isinstance(v, torch.Tensor)
-            else [k, "value", _encode(v, k)] for k, v in flat.items()]).encode()
+        header = json.dumps(_header(flat)).encode()
     entries = json.loads(_broadcast_bytes(header, group, device))
+    if isinstance(entries, dict):  # rank 0's state cannot be broadcast: every rank says so
+        raise ValueError(entries["error"])
     check([e[0] for e in entries])
     out: dict[str, Any] = {}
     for entry in entries:
@@ -130,7 +146,7 @@ def broadcast_flat(flat: dict[str, Any] | None, *, device: torch.device, wanted:
         shape, dtype = entry[2], getattr(torch, entry[3])
         if rank == 0:
             value = flat[key]  # type: ignore[index]
-            buf = (value.full_tensor() if isinstance(value, DTensor) else value).detach().to(device).contiguous()
+            buf = value.detach().to(device).contiguous()
         else:
             buf = torch.empty(shape, dtype=dtype, device=device)
         comm.broadcast(buf, src=0, group=group)
