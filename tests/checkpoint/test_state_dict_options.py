@@ -187,3 +187,13 @@ def test_broadcast_of_a_sharded_state_is_an_error_on_every_rank():
         set_optimizer_state_dict(model, opt, {}, options=options)
     with pytest.raises(StateDictKeyError, match=r"missing key\(s\) \['inp.weight'"):
         set_model_state_dict(model, {}, options=options)
+
+
+def test_stateless_optimizer_round_trips():
+    """SGD without momentum keeps no state: an empty `state` is complete, not missing keys."""
+    model = build(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    osd = get_optimizer_state_dict(model, opt)
+    assert osd["state"] == {} and osd["param_groups"][0]["params"][0] == "inp.weight"
+    set_optimizer_state_dict(model, opt, osd)
+    set_optimizer_state_dict(model, opt, get_optimizer_state_dict(model, opt, options=FLAT))

@@ -192,8 +192,8 @@ def _for_optim(optim: torch.optim.Optimizer, fqns: dict[torch.Tensor, list[str]]
             fqn = next((n for n in fqns[p] if n in loaded_groups or n in osd[STATE]), fqns[p][0])
             if fqn in osd[STATE]:
                 state[pid] = {k: _like_param(v, p, full) for k, v in osd[STATE][fqn].items()}
-            elif p.requires_grad:
-                missing.append(fqn)
+            elif p.requires_grad and optim.state.get(p):  # it keeps state for p (SGD without
+                missing.append(fqn)                         # momentum keeps none): the saved one lacks it
             source = source or loaded_groups.get(fqn)
             ids.append(pid)
             pid += 1
