@@ -33,6 +33,7 @@ def readme_jobs() -> dict[str, tuple[str, int]]:
         "fsdp": (_find(blocks, "from plait.fsdp import"), 2),
         "tp": (_find(blocks, 'parallelize_module(model, mesh["tp"], tp_plan())'), 4),
         "fsdp_tp": (_find(blocks, 'fully_shard(block, mesh=mesh["dp"])'), 4),
+        "checkpoint": (_find(blocks, 'dcp.save({"model": model, "step": 100}'), 2),
     }
 
 

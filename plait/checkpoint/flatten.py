@@ -29,13 +29,17 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
-    """({fqn: leaf value}, {fqn: path}) of a nested state dict."""
+def flatten(state_dict: Mapping[str, Any], *, saved: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """({fqn: leaf value}, {fqn: path}) of a nested state dict. On load, `saved` (the
+    checkpoint's keys) also walks a dict that the checkpoint split into keys, so an
+    optimizer whose state is still empty is matched key by key and reported precisely."""
     leaves: dict[str, Any] = {}
     paths: dict[str, Path] = {}
+    prefixes = {k.rsplit(".", i)[0] for k in saved or () for i in range(1, k.count(".") + 1)}
 
     def walk(value: Any, path: Path) -> None:
-        if isinstance(value, Mapping) and (path == () or _holds_tensor(value)):
+        if isinstance(value, Mapping) and (path == () or _holds_tensor(value)
+                                           or (value and ".".join(map(str, path)) in prefixes)):
             items = value.items()
         elif isinstance(value, (list, tuple)) and _holds_tensor(value):
             items = enumerate(value)

@@ -48,7 +48,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     try:
         metadata = reader.read_metadata()
         expanded, members = expand(state_dict)
-        leaves, paths = flatten(expanded)
+        leaves, paths = flatten(expanded, saved={*metadata.tensors, *metadata.values})
         containers = {k for k, v in expanded.items() if isinstance(v, Mapping) or k in members}
         plan = planner.create_local_plan(leaves, metadata, where=f"checkpoint {reader.path}",
                                          containers=containers)

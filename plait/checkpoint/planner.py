@@ -189,10 +189,6 @@ class DefaultLoadPlanner:
         under one of them that the state dict lacks means the wrong model or optimizer."""
         self.report = []
         plan = LoadPlan([], {})
-        for fqn in sorted(set(metadata.tensors) | set(metadata.values)):
-            if fqn not in leaves and fqn.split(".", 1)[0] in containers:
-                self._problem(f"unexpected key {fqn!r}: {where} has it, the state dict being loaded "
-                              "does not (a different model? allow_partial_load=True skips it)")
         for fqn, v in leaves.items():
             if isinstance(v, torch.Tensor):
                 self._plan_tensor(fqn, v, metadata, where, plan)
@@ -203,6 +199,10 @@ class DefaultLoadPlanner:
                               f"{metadata.tensors[fqn].dtype}{metadata.tensors[fqn].shape} there")
             else:
                 self._problem(_missing(fqn, v, metadata, where))
+        for fqn in sorted(set(metadata.tensors) | set(metadata.values)):  # after missing: the likelier cause
+            if fqn not in leaves and fqn.split(".", 1)[0] in containers:
+                self._problem(f"unexpected key {fqn!r}: {where} has it, the state dict being loaded "
+                              "does not (a different model? allow_partial_load=True skips it)")
         return plan
 
     def _plan_tensor(self, fqn: str, v: torch.Tensor, metadata: Metadata, where: str, plan: LoadPlan) -> None:

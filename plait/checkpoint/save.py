@@ -71,12 +71,13 @@ def write_own(p: Prepared, items: list[WriteItem]) -> BaseException | None:
     error, files, chunks = None, [], {}
     try:
         files, chunks = p.writer.write(items, p.staging, p.group.rank)
-    except (OSError, ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure must reach the fragment, or rank 0 waits for it
         error = e
     body = {"rank": p.group.rank, "tensors": p.plan.tensors, "chunks": chunks, "values": p.plan.values,
             "files": files, "error": None if error is None else f"{type(error).__name__}: {error}"}
     try:
-        commit.write_fragment(p.staging, p.group.rank, body, sync=p.writer.sync_files)
+        # not fsynced: rank 0 reads it at once and removes it; durability is metadata.json's job
+        commit.write_fragment(p.staging, p.group.rank, body, sync=False)
     except OSError as e:
         error = error or e
     return error

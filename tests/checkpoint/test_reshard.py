@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import plait.checkpoint as dcp
+from plait.checkpoint import tools
 from plait.testing import run_distributed
 from tests.checkpoint._states import full, laid_out, reference
 
@@ -67,3 +68,17 @@ def test_replicated_chunks_are_written_once(tmp_path):
         t = meta.tensors["model." + k]
         assert sum(c.nbytes for c in t.chunks) == v.numel() * v.element_size(), k
         assert t.layout["placements"][0] == "Replicate()"
+    # consolidated: one safetensors file of full tensors, that safetensors itself opens
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "full.safetensors")
+    assert tools.main(["consolidate", path, out]) == 0
+    got = load_file(out)
+    assert got.keys() == {"model." + k for k in reference()}
+    for k, v in reference().items():
+        assert torch.equal(got["model." + k].view(torch.uint8), v.view(torch.uint8)), k
+    # and a rank file opens with safetensors too
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "__0_0.safetensors"), "pt") as f:
+        assert all(k.startswith("model.") for k in f.keys())
