@@ -56,3 +56,41 @@ def test_each_loads_the_others_state():
         msd, osd = get(src, src_opt)
         put(model, opt, model_state_dict=msd, optim_state_dict=osd)
         _equal(plait_sd.get_state_dict(model, opt), plait_sd.get_state_dict(src, src_opt))
+
+
+def _ddp_and_fsdp_like_torch() -> bool:
+    """plait's DDP / fully_shard and torch's, on the same ranks: the same full state dicts."""
+    from torch.distributed._composable.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from tests.checkpoint._layouts import lay_out
+
+    full_plait = plait_sd.StateDictOptions(full_state_dict=True)
+    full_torch = torch_sd.StateDictOptions(full_state_dict=True)
+    for layout in ("ddp", "fsdp"):
+        ours = lay_out(build(0), layout)
+        if layout == "ddp":
+            theirs = TorchDDP(build(0))
+        else:
+            mesh = torch_mesh("cpu", (torch.distributed.get_world_size(),))
+            theirs = build(0)
+            for child in (theirs.inp, theirs.mid, theirs.out):
+                torch_fully_shard(child, mesh=mesh)
+            torch_fully_shard(theirs, mesh=mesh)
+        our_opt, their_opt = make_opt(ours), make_opt(theirs)
+        for model, opt in ((ours, our_opt), (theirs, their_opt)):
+            step(model, opt, layout, 0)  # the same slices of the same batch
+        a = plait_sd.get_state_dict(ours, our_opt, options=full_plait)
+        b = torch_sd.get_state_dict(theirs, their_opt, options=full_torch)
+        assert list(a[0]) == list(b[0]) and list(a[1]["state"]) == list(b[1]["state"]), layout
+        assert a[1]["param_groups"] == b[1]["param_groups"], layout
+        for k in a[0]:  # two implementations reduce in their own order: fp32 rounding apart
+            torch.testing.assert_close(a[0][k], b[0][k], rtol=1e-5, atol=1e-6, msg=k)
+    return True
+
+
+def test_ddp_and_fsdp_full_state_like_torchs():
+    from plait.testing import run_distributed
+
+    assert all(run_distributed(_ddp_and_fsdp_like_torch, world_size=2))
