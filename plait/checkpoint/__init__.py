@@ -8,17 +8,19 @@ A checkpoint is a directory: one safetensors file per rank (per writer thread) h
 chunks that rank owns, and metadata.json (global shape, dtype and chunks of every tensor,
 with byte ranges and crc32; the non-tensor values), written last and committed by an atomic
 rename. Data flow: planner.py (who writes what, who reads what) -> storage.py and
-safetensors_io.py (bytes, checksums) -> commit.py (atomicity); save.py, load.py and
-async_save.py drive them over the process group (group.py).
+safetensors_io.py (bytes, checksums) -> commit.py (atomicity); saver.py, loader.py and
+async_saver.py drive them over the process group (group.py); tools.py and dcp_import.py
+are `plait checkpoint ...`. (Modules are not named save/load/async_save: those names are
+the functions.)
 """
 
-from plait.checkpoint.async_save import async_save
+from plait.checkpoint.async_saver import async_save
 from plait.checkpoint.group import CheckpointError
-from plait.checkpoint.load import load
+from plait.checkpoint.loader import load
 from plait.checkpoint.metadata import ChunkMeta, Metadata, TensorMeta
 from plait.checkpoint.planner import DefaultLoadPlanner, DefaultSavePlanner
 from plait.checkpoint.safetensors_io import ChunkError
-from plait.checkpoint.save import save
+from plait.checkpoint.saver import save
 from plait.checkpoint.stateful import Stateful
 from plait.checkpoint.storage import FileSystemReader, FileSystemWriter
 

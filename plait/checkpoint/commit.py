@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -124,15 +125,21 @@ def finish(path: str, world_size: int, *, sync: bool, timeout: float) -> Metadat
         _fsync_dir(staging)
     old = None
     if os.path.exists(path):
-        old = path + OLD
+        old = f"{path}{OLD}"
         if os.path.exists(old):
-            shutil.rmtree(old)
+            shutil.rmtree(old)  # left by a save killed between the renames below
         os.rename(path, old)
     os.rename(staging, path)
     if sync:
         _fsync_dir(os.path.dirname(path) or ".")
     if old is not None:
-        shutil.rmtree(old)
+        # the new checkpoint is committed; removing the one it replaced (~0.1 s per 100 MB
+        # here) need not hold the training loop. Not a daemon: the process waits for it.
+        # Renamed to a name no later save uses, so the removal never touches a newer PATH.old.
+        aside = f"{old}-removing-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(old, aside)
+        threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True},
+                         name="plait-ckpt-remove-old").start()
     return metadata
 
 

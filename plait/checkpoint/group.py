@@ -1,6 +1,7 @@
 """The process group a save or load runs over, and the few exchanges it needs.
 
     Group(process_group)      -- None: the default group if one is initialized, else one process
+                                 (no_dist=True: one process)
     .gather_json(obj)         -- every rank's JSON-able obj, in rank order (all_gather via plait.comm)
     .agree(error, payload)    -- every rank's payload, or raise on every rank if any rank failed
                                  (so no rank waits forever for one that already raised)
@@ -24,8 +25,10 @@ class CheckpointError(RuntimeError):
 
 
 class Group:
-    def __init__(self, process_group: ProcessGroup | None) -> None:
-        if process_group is None and comm.is_initialized():
+    def __init__(self, process_group: ProcessGroup | None, *, no_dist: bool = False) -> None:
+        if no_dist:  # torch's no_dist=True: this process alone, even inside a job
+            process_group = None
+        elif process_group is None and comm.is_initialized():
             process_group = comm.world_group()
         self.pg = process_group
         self.rank = comm.get_rank(process_group) if process_group is not None else 0

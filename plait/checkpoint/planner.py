@@ -84,11 +84,18 @@ def local_chunk(fqn: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...
     coordinate = spec.mesh.get_coordinate()
     if coordinate is None:
         return None
-    sizes, offsets = local_shape_and_offset(spec.shape, spec.placements, spec.mesh.shape, coordinate)
+    sizes, offsets, writer = piece(spec.shape, spec.placements, spec.mesh.shape, coordinate)
     local = t._local_tensor.detach()
     assert tuple(local.shape) == tuple(sizes), (fqn, tuple(local.shape), sizes)
-    writer = all(c == 0 for c, p in zip(coordinate, spec.placements) if isinstance(p, Replicate))
     return local, offsets, writer
+
+
+def piece(shape, placements, mesh_shape, coordinate) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """(sizes, offsets, writes it) of the piece at `coordinate`: of the ranks holding the
+    same piece (they differ only along Replicate axes), the one at 0 on those axes writes."""
+    sizes, offsets = local_shape_and_offset(shape, placements, mesh_shape, coordinate)
+    writer = all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
+    return sizes, offsets, writer
 
 
 class DefaultSavePlanner:

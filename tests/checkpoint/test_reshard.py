@@ -82,3 +82,23 @@ def test_replicated_chunks_are_written_once(tmp_path):
 
     with safe_open(os.path.join(path, "__0_0.safetensors"), "pt") as f:
         assert all(k.startswith("model.") for k in f.keys())
+
+
+def save_partial(path: str) -> str:
+    from plait.device_mesh import init_device_mesh
+    from plait.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = DTensor.from_local(torch.ones(3, 2), mesh, [Partial()])
+    try:
+        dcp.save({"x": x}, checkpoint_id=path)
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_partial_is_refused_before_anything_is_written(tmp_path):
+    path = str(tmp_path / "p")
+    for msg in run_distributed(save_partial, path, world_size=2):
+        assert "state_dict['x'] is a DTensor with placements [Partial(sum)]" in msg and "redistribute" in msg, msg
+    assert not os.path.exists(path) and not os.path.exists(path + ".incomplete")

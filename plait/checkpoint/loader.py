@@ -38,12 +38,12 @@ def resolve_reader(checkpoint_id: str | os.PathLike | None, storage_reader: File
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_reader: FileSystemReader | None = None, planner: DefaultLoadPlanner | None = None,
-         process_group: ProcessGroup | None = None) -> None:
+         process_group: ProcessGroup | None = None, no_dist: bool = False) -> None:
     """Load the checkpoint at `checkpoint_id` into `state_dict` in place, resharding every
     tensor from the layout it was saved with to the one it has now. Collective."""
     reader = resolve_reader(checkpoint_id, storage_reader)
     planner = planner or DefaultLoadPlanner()
-    group = Group(process_group)
+    group = Group(process_group, no_dist=no_dist)
     error = None
     try:
         metadata = reader.read_metadata()

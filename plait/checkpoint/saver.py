@@ -47,11 +47,11 @@ class Prepared:
     staging: str
 
 
-def prepare(state_dict: dict[str, Any], checkpoint_id, storage_writer, planner, process_group) -> Prepared:
+def prepare(state_dict: dict[str, Any], checkpoint_id, storage_writer, planner, process_group, no_dist: bool) -> Prepared:
     """Plan on every rank and open the staging directory: the collective part before writing."""
     writer = resolve_writer(checkpoint_id, storage_writer)
     planner = planner or DefaultSavePlanner()
-    group = Group(process_group)
+    group = Group(process_group, no_dist=no_dist)
     error, plan = None, None
     try:
         expanded, _ = expand(state_dict)
@@ -91,11 +91,15 @@ def read_committed(path: str) -> Metadata:
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
-         process_group: ProcessGroup | None = None) -> Metadata:
+         process_group: ProcessGroup | None = None, no_dist: bool = False) -> Metadata:
     """Save `state_dict` (plain tensors, DTensors, Stateful members, JSON-able values) to the
     directory `checkpoint_id`, every rank writing its own chunks. Collective over
-    `process_group` (default: the world, or this process alone when none is initialized)."""
-    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group)
+    `process_group` (default: the world, or this process alone when none is initialized or
+    no_dist=True)."""
+    from plait.checkpoint.async_saver import wait_previous  # async_saver builds on this module
+
+    wait_previous()
+    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group, no_dist)
     p.group.agree(write_own(p, p.plan.items))
     error, metadata = None, None
     if p.group.rank == 0:

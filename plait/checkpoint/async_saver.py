@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 from plait.checkpoint import commit
 from plait.checkpoint.planner import DefaultSavePlanner, WriteItem
-from plait.checkpoint.save import COMMIT_TIMEOUT_S, Prepared, prepare, write_own
+from plait.checkpoint.saver import COMMIT_TIMEOUT_S, Prepared, prepare, write_own
 from plait.checkpoint.storage import FileSystemWriter
 
 # One background writer per process, and the save it is running: the next save waits for
@@ -59,16 +59,28 @@ def _background(p: Prepared, items: list[WriteItem]):
     return None
 
 
+def wait_previous() -> None:
+    """Wait for this process's running async save, if any (a sync save calls it, so two saves
+    never write at once); its failure stays with its Future."""
+    with _lock:
+        previous = _previous
+    if previous is not None:
+        try:
+            previous.result()
+        except Exception:  # noqa: BLE001, S110 - reported by the Future's owner
+            pass
+
+
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
-               process_group: ProcessGroup | None = None) -> Future:
+               process_group: ProcessGroup | None = None, no_dist: bool = False) -> Future:
     """torch's async_save: returns once the state is staged; the Future resolves when written."""
     global _executor, _previous
     with _lock:
         previous, _previous = _previous, None
     if previous is not None:
         previous.result()  # the next save waits for the previous (and reports its failure)
-    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group)
+    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group, no_dist)
     with torch.no_grad():
         items = stage(p.plan.items)
     with _lock:

@@ -1,0 +1,58 @@
+"""The planners' pure logic, without processes: over every placement combination on 1-D
+and 2-D meshes and shapes no world size divides, the pieces the writers save tile each
+tensor exactly once (dedup), and every rank's load plan covers its piece exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from plait.checkpoint.metadata import ChunkMeta
+from plait.checkpoint.planner import _overlap, piece
+from plait.tensor import Replicate, Shard
+
+MESHES = [(2,), (3,), (4,), (2, 2), (2, 3)]
+SHAPE = (7, 5)
+
+
+def _placements(ndim_mesh):
+    options = [Shard(0), Shard(1), Replicate()]
+    return list(itertools.product(options, repeat=ndim_mesh))
+
+
+def _saved(mesh, placements):
+    """The chunks the writers of this layout save, each element counted in `hits`."""
+    hits = torch.zeros(SHAPE, dtype=torch.int64)
+    chunks = []
+    for coordinate in itertools.product(*[range(n) for n in mesh]):
+        sizes, offsets, writer = piece(SHAPE, placements, mesh, coordinate)
+        if writer and math.prod(sizes):
+            hits[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]] += 1
+            chunks.append(ChunkMeta(list(offsets), list(sizes), "f", "n", 0, 0, 0))
+    return hits, chunks
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_writers_tile_each_tensor_once(mesh):
+    for placements in _placements(len(mesh)):
+        hits, _ = _saved(mesh, placements)
+        assert torch.equal(hits, torch.ones(SHAPE, dtype=torch.int64)), (mesh, placements)
+
+
+@pytest.mark.parametrize("save_mesh,load_mesh", [((4,), (3,)), ((2, 2), (3,)), ((3,), (2, 3)), ((2, 3), (2, 2))])
+def test_load_plan_covers_every_piece_once(save_mesh, load_mesh):
+    for save_pl, load_pl in itertools.product(_placements(len(save_mesh)), _placements(len(load_mesh))):
+        _, chunks = _saved(save_mesh, save_pl)
+        for coordinate in itertools.product(*[range(n) for n in load_mesh]):
+            sizes, offsets, _ = piece(SHAPE, load_pl, load_mesh, coordinate)
+            hits = torch.zeros(sizes, dtype=torch.int64)
+            for c in chunks:
+                box = _overlap(offsets, sizes, c.offsets, c.sizes)
+                if box:
+                    (lo0, lo1), (n0, n1) = box
+                    hits[lo0 - offsets[0]:lo0 - offsets[0] + n0, lo1 - offsets[1]:lo1 - offsets[1] + n1] += 1
+            assert torch.equal(hits, torch.ones(sizes, dtype=torch.int64)), (save_pl, load_pl, coordinate)
