@@ -172,6 +172,8 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == "_fsdp_wrapped_module":  # not set yet (or a copy being built): do not recurse
+                raise
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: int) -> Any:
