@@ -43,7 +43,9 @@ class SavePlan:
     items: list[WriteItem]
     tensors: dict[str, dict[str, Any]]  # fqn -> {shape, dtype, layout}: every tensor, written here or not
     values: dict[str, Any]  # fqn -> encoded value
-    plain: list[str]  # fqns of the plain tensors this rank holds
+    # keys of the chunks this rank could write ("fqn" for a plain tensor, "fqn@offsets" for a
+    # DTensor piece): every rank holding an equal chunk lists it, assign_writers keeps one
+    candidates: list[str]
 
 
 @dataclass
@@ -118,7 +120,7 @@ class DefaultSavePlanner:
         items: list[WriteItem] = []
         tensors: dict[str, dict[str, Any]] = {}
         values: dict[str, Any] = {}
-        plain: list[str] = []
+        candidates: list[str] = []
         for fqn, v in leaves.items():
             if not isinstance(v, torch.Tensor):
                 # every rank encodes (and so refuses alike); the commit keeps the lowest rank's
@@ -131,27 +133,31 @@ class DefaultSavePlanner:
             if found is None:
                 continue
             local, offsets, writer = found
-            if not isinstance(v, DTensor):
-                plain.append(fqn)
-                writer = None  # decided by assign_writers, once every rank's plain keys are known
-            if writer is not False and local.numel() > 0:
+            if writer and local.numel() > 0:
+                # a plain tensor may be held by many ranks (replicated state) or one (a stage's);
+                # a DTensor on a sub-mesh (mesh["dp"] of a (dp, tp) world) by one rank per
+                # coordinate of the other axes: assign_writers keeps one holder per chunk
+                candidates.append(_chunk_key(fqn, offsets, isinstance(v, DTensor)))
                 items.append(WriteItem(fqn, tuple(offsets), tuple(local.shape), local, shape, tensors[fqn]["layout"]))
-        return SavePlan(items, tensors, values, plain)
+        return SavePlan(items, tensors, values, candidates)
 
-    def assign_writers(self, plan: SavePlan, plain_by_rank: list[list[str]], *, rank: int) -> SavePlan:
-        """Keep the plain tensors this rank writes: each is held by some ranks (all of them
-        for replicated state, one for a pipeline stage's); one holder writes it."""
+    def assign_writers(self, plan: SavePlan, candidates_by_rank: list[list[str]], *, rank: int) -> SavePlan:
+        """Keep the chunks this rank writes: of the ranks holding an equal chunk, one writes it
+        (round-robin over the chunks, or the lowest holder with dedup_save_to_lowest_rank)."""
         holders: dict[str, list[int]] = {}
-        for r, keys in enumerate(plain_by_rank):
-            for fqn in keys:
-                holders.setdefault(fqn, []).append(r)
+        for r, keys in enumerate(candidates_by_rank):
+            for key in keys:
+                holders.setdefault(key, []).append(r)
         owner = {}
-        for i, fqn in enumerate(sorted(holders)):
-            hs = holders[fqn]
-            owner[fqn] = hs[0] if self.dedup_save_to_lowest_rank else hs[i % len(hs)]
-        plain = set(plan.plain)
-        plan.items = [it for it in plan.items if it.fqn not in plain or owner[it.fqn] == rank]
+        for i, key in enumerate(sorted(holders)):
+            hs = holders[key]
+            owner[key] = hs[0] if self.dedup_save_to_lowest_rank else hs[i % len(hs)]
+        plan.items = [it for it, key in zip(plan.items, plan.candidates) if owner[key] == rank]
         return plan
+
+
+def _chunk_key(fqn: str, offsets, sharded: bool) -> str:
+    return f"{fqn}@{','.join(map(str, offsets))}" if sharded else fqn
 
 
 def _overlap(a_off, a_size, b_off, b_size) -> tuple[list[int], list[int]] | None:

@@ -61,8 +61,8 @@ def prepare(state_dict: dict[str, Any], checkpoint_id, storage_writer, planner, 
             commit.begin(writer.path, overwrite=writer.overwrite)
     except (ValueError, TypeError, OSError) as e:
         error = e
-    plain_by_rank = group.agree(error, plan.plain if plan else None)
-    plan = planner.assign_writers(plan, plain_by_rank, rank=group.rank)
+    candidates_by_rank = group.agree(error, plan.candidates if plan else None)
+    plan = planner.assign_writers(plan, candidates_by_rank, rank=group.rank)
     return Prepared(writer, group, plan, commit.staging_dir(writer.path))
 
 
