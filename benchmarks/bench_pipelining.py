@@ -273,31 +273,49 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
     return rows
 
 
-def _action_overhead(reps: int, m: int = MICROBATCHES) -> tuple[float, float]:
-    """(plait, torch) CPU µs per compute action beyond the compute itself (see the note)."""
+def _action_overhead(name: str, reps: int, m: int = MICROBATCHES) -> tuple[float, float]:
+    """(plait, torch) CPU µs per compute action beyond the compute itself, on this rank:
+    `name` over the group's ranks (one 4x4 linear per stage; p2p between ranks), the step's
+    thread_time minus that of the same forwards and backwards in a plain loop, per compute
+    action of this rank. Blocked waits cost no CPU time, so the figure is the runtime's own
+    work (planning, p2p posting, bookkeeping, microbatch split and merge), not the peers'."""
     torch.manual_seed(0)
-    x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+    p, rank = dist.get_world_size(), dist.get_rank()
+    v, _ = SCHEDULES[name]
+    num_stages = p * v
+    owned = _owned(name, p)
+    modules = {s: nn.Linear(4, 4) for s in owned}
+    x = torch.randn(2 * m, 4, requires_grad=True)
+    y = torch.randn(2 * m, 4)
+    plan = build_schedule(name, p, m, stages_per_rank=v if v > 1 else None)
+    actions = sum(1 for a in plan.actions[rank] if a.is_compute)
     runs = {}
-    for name, impl in (("plait", pp), ("torch", tpp)):
-        stage = impl.PipelineStage(nn.Linear(4, 4), 0, 1, torch.device("cpu"), group=None)
-        schedule = impl.Schedule1F1B(stage, m, loss_fn=F.mse_loss)
-        runs[name] = lambda schedule=schedule: schedule.step(x, target=y)
-    bare_module = nn.Linear(4, 4)
+    for impl, schedule in zip(("plait", "torch"), _schedules(name, modules, num_stages, F.mse_loss)):
+        runs[impl] = lambda schedule=schedule: _run_step(schedule, owned, num_stages, x, y)
+    bare_modules = [copy.deepcopy(modules[s]) for s in owned]
+    xm, ym, gm = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4), torch.ones(2, 4)
 
     def bare() -> None:
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            F.mse_loss(bare_module(xm), ym).backward()
+        for module in bare_modules:
+            for _ in range(m):
+                out = module(xm)
+                if module is bare_modules[-1] and num_stages - 1 in owned:
+                    F.mse_loss(out, ym).backward()
+                else:
+                    out.backward(gm)
 
     runs["bare"] = bare
     times: dict[str, list[float]] = {k: [] for k in runs}
     for rep in range(reps + 5):
         for key, fn in runs.items():
+            if p > 1:
+                dist.barrier()
             start = time.thread_time()
             fn()
             if rep >= 5:
                 times[key].append(time.thread_time() - start)
     med = {k: median(v) for k, v in times.items()}
-    return tuple((med[k] - med["bare"]) / (2 * m) * 1e6 for k in ("plait", "torch"))
+    return tuple((med[k] - med["bare"]) / actions * 1e6 for k in ("plait", "torch"))
 
 
 def _pp_ddp_times(reps: int) -> tuple[float, float]:
