@@ -105,14 +105,19 @@ def recv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> torch.Tensor
     return Handle(None, lambda: tensor, event).wait()
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 @eager_only
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Handle]:
     """Start every op of the batch together (coalesced where the backend can) and return
     one handle per op, in order. Every op of a batch must use the same group.
 
     Every op is checked (and shown to the listeners) before any is issued. Gloo does not
-    coalesce p2p: its ops are issued one by one, as c10d's own batch does for it, without
-    that batch's per-call bookkeeping (the pipeline runtime posts one batch per transfer)."""
+    coalesce p2p: its ops are issued one by one on the group, as c10d's own batch does for
+    it, without that batch's per-call bookkeeping (the pipeline runtime posts one batch per
+    transfer)."""
     if not ops:
         return []
     group = ops[0].group
@@ -126,9 +131,12 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Handle]:
         _, wire = _prepare(op.kind, op.tensor, op.peer, group, info)
         prepared.append((op, wire, _begin(op.kind, op.tensor, op.peer, info, True)))
     if info.backend == "gloo":
+        # The group's own send/recv, what c10d's isend/irecv end in: the peer is a group
+        # rank and the group is one this rank is in (both checked above); complex goes as
+        # its real view, as c10d's wrappers send it.
         works = [
-            _c10d.isend(wire, group=group, group_dst=op.peer) if op.kind == "send"
-            else _c10d.irecv(wire, group=group, group_src=op.peer)
+            group.send([_real(wire)], op.peer, 0) if op.kind == "send"
+            else group.recv([_real(wire)], op.peer, 0)
             for op, wire, _ in prepared
         ]
     else:
