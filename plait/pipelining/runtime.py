@@ -1,9 +1,10 @@
 """The one runtime: run this rank's list of a lowered schedule, with plait.comm p2p.
 
     Schedule (any: built-in, lists, CSV) --lower--> per-rank actions --check--> plan (cached)
+        --compile (program.py, once)--> this rank's program
     step: [first step only: F of microbatch 0 down the stages, carrying shape metadata]
-          for each action of this rank, in order:
-              run of SEND/RECV -> one comm.batch_isend_irecv; receives kept by (stage, kind, mb)
+          for each op of the program, in order:
+              run of SEND/RECV -> one comm.batch_isend_irecv; receives kept in their slots
               F | B | I | W    -> wait for the receive it reads, then compute on the stage
           wait for every send
     data-parallel stages (DDP / replicate / fully_shard submodule): sync off at the start
