@@ -12,10 +12,14 @@ modules, the same split and the same schedule, 8 microbatches, world sizes 2 and
    on any rank, bubble = 1 - sum(sleep) / (p * T), the simulator's definition, compared
    with `simulate(schedule, Costs(1, 2, 1))`. The batch requires grad, so the first stage's
    backward splits into I and W like every other (plait splits it; torch always runs the
-   first stage's whole backward at W, one reason its ZB bubbles differ).
-3. Per-action overhead: one rank, one stage (a 4x4 linear), 1F1B over 8 microbatches; the
-   step's CPU time (thread_time, so other jobs on the machine count less) minus that of the
-   same forwards and backwards in a plain loop, per compute action, in microseconds.
+   first stage's whole backward at W, one reason its ZB bubbles differ). Each row also
+   compares `simulate` with Costs.comm = the measured one-way p2p time, and shows each
+   runtime's CPU per compute action beyond the stages' own (the time between two sleeps
+   that no simulator counts).
+3. Per-action overhead: 4x4 linear stages, 1F1B (and ZBV) over 8 microbatches on 1 and 2
+   ranks; the step's CPU time (thread_time, so other jobs on the machine count less) minus
+   that of the same forwards and backwards in a plain loop, per compute action, in µs;
+   plait with its default flight recorder on the door, and without any listener.
 4. PP x DDP: 4 ranks as (pp=2, dp=2), 1F1B, every stage's module DDP on its dp group
    (plait.ddp with plait.pipelining, torch's DDP with torch's pipelining), each replica
    half the batch; slowest rank's step time.
@@ -31,6 +35,7 @@ modules, the same split and the same schedule, 8 microbatches, world sizes 2 and
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import torch
@@ -205,11 +210,13 @@ def _step_times(names: list[str], reps: int) -> list[tuple]:
     return rows
 
 
-def _bubble_of_step(schedule, stages: list[int], num_stages: int, x, y) -> float:
-    """Run one step; its bubble from every rank's logged sleeps."""
+def _bubble_of_step(schedule, stages: list[int], num_stages: int, x, y) -> tuple[float, float]:
+    """Run one step; (its bubble from every rank's logged sleeps, this rank's CPU seconds)."""
     dist.barrier()
     _SLEEPS.clear()
+    cpu = time.thread_time()
     _run_step(schedule, stages, num_stages, x, y)
+    cpu = time.thread_time() - cpu
     starts, ends = zip(*_SLEEPS)
     local = torch.tensor(
         [min(starts), -max(ends), sum(e - s for s, e in _SLEEPS)], dtype=torch.float64
@@ -218,7 +225,16 @@ def _bubble_of_step(schedule, stages: list[int], num_stages: int, x, y) -> float
     dist.all_gather(everyone, local)
     stacked = torch.stack(everyone)  # (p, 3)
     window = -stacked[:, 1].min().item() - stacked[:, 0].min().item()
-    return 1.0 - stacked[:, 2].sum().item() / (dist.get_world_size() * window)
+    return 1.0 - stacked[:, 2].sum().item() / (dist.get_world_size() * window), cpu
+
+
+def _sleep_stage_cpu(unit: float, n: int = 2 * MICROBATCHES) -> float:
+    """CPU seconds of one SleepStage forward and backward in a plain loop (no pipeline)."""
+    stage, x = SleepStage(unit), torch.randn(2, 4, requires_grad=True)
+    start = time.thread_time()
+    for _ in range(n):
+        stage(x).sum().backward()
+    return (time.thread_time() - start) / n
 
 
 def _p2p_latency(reps: int = 30) -> float:
@@ -239,8 +255,13 @@ def _p2p_latency(reps: int = 30) -> float:
 
 
 def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
+    """Per schedule: (name, stages, simulated, simulated with latency, latency, plait,
+    torch, plait µs, torch µs); the µs are CPU per compute action beyond the stages' own
+    (the step's thread_time minus the same forwards and backwards in a plain loop), mean
+    over ranks: the runtime's cost on the critical path, which the simulator leaves out."""
     p = dist.get_world_size()
     latency = _p2p_latency()
+    bare = _sleep_stage_cpu(unit)
     rows = []
     for name in names:
         v, _ = SCHEDULES[name]
@@ -251,12 +272,20 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
         x = torch.randn(2 * MICROBATCHES, 4, requires_grad=True)
         y = torch.randn(2 * MICROBATCHES, 4)
         measured = {"plait": [], "torch": []}
+        cpu = {"plait": [], "torch": []}
         for rep in range(reps + 1):
             for impl, schedule in (("plait", ours), ("torch", theirs)):
-                b = _bubble_of_step(schedule, owned, num_stages, x, y)
+                b, c = _bubble_of_step(schedule, owned, num_stages, x, y)
                 if rep:
                     measured[impl].append(b)
+                    cpu[impl].append(c)
         plan = build_schedule(name, p, MICROBATCHES, stages_per_rank=v if v > 1 else None)
+        actions = sum(1 for a in plan.actions[dist.get_rank()] if a.is_compute)
+        per_action = torch.tensor(
+            [(median(cpu[k]) - bare * MICROBATCHES * len(owned)) / actions * 1e6 for k in cpu]
+        )
+        dist.all_reduce(per_action)
+        per_action /= p
         sim = simulate(plan, Costs(1.0, 2.0, 1.0)).bubble
         sim_latency = simulate(plan, Costs(1.0, 2.0, 1.0, comm=latency / unit)).bubble
         rows.append(
@@ -268,36 +297,70 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
                 latency,
                 median(measured["plait"]),
                 median(measured["torch"]),
+                *per_action.tolist(),
             )
         )
     return rows
 
 
-def _action_overhead(reps: int, m: int = MICROBATCHES) -> tuple[float, float]:
-    """(plait, torch) CPU µs per compute action beyond the compute itself (see the note)."""
+def _action_overhead(
+    name: str, reps: int, listeners: bool = True, m: int = MICROBATCHES
+) -> tuple[float, float]:
+    """(plait, torch) CPU µs per compute action beyond the compute itself, on this rank:
+    `name` over the group's ranks (one 4x4 linear per stage; p2p between ranks), the step's
+    thread_time minus that of the same forwards and backwards in a plain loop, per compute
+    action of this rank. Blocked waits cost no CPU time, so the figure is the runtime's own
+    work (planning, p2p posting, bookkeeping, microbatch split and merge), not the peers'.
+    `listeners=False`: with plait.debug's flight recorder taken off plait.comm's door."""
+    from plait.comm import events
+
+    saved = events._debug
+    if not listeners:
+        events.set_debug_listener(None)
+    try:
+        return _overhead_of(name, reps, m)
+    finally:
+        events.set_debug_listener(saved)
+
+
+def _overhead_of(name: str, reps: int, m: int) -> tuple[float, float]:
     torch.manual_seed(0)
-    x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+    p, rank = dist.get_world_size(), dist.get_rank()
+    v, _ = SCHEDULES[name]
+    num_stages = p * v
+    owned = _owned(name, p)
+    modules = {s: nn.Linear(4, 4) for s in owned}
+    x = torch.randn(2 * m, 4, requires_grad=True)
+    y = torch.randn(2 * m, 4)
+    plan = build_schedule(name, p, m, stages_per_rank=v if v > 1 else None)
+    actions = sum(1 for a in plan.actions[rank] if a.is_compute)
     runs = {}
-    for name, impl in (("plait", pp), ("torch", tpp)):
-        stage = impl.PipelineStage(nn.Linear(4, 4), 0, 1, torch.device("cpu"), group=None)
-        schedule = impl.Schedule1F1B(stage, m, loss_fn=F.mse_loss)
-        runs[name] = lambda schedule=schedule: schedule.step(x, target=y)
-    bare_module = nn.Linear(4, 4)
+    for impl, schedule in zip(("plait", "torch"), _schedules(name, modules, num_stages, F.mse_loss)):
+        runs[impl] = lambda schedule=schedule: _run_step(schedule, owned, num_stages, x, y)
+    bare_modules = [copy.deepcopy(modules[s]) for s in owned]
+    xm, ym, gm = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4), torch.ones(2, 4)
 
     def bare() -> None:
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            F.mse_loss(bare_module(xm), ym).backward()
+        for module in bare_modules:
+            for _ in range(m):
+                out = module(xm)
+                if module is bare_modules[-1] and num_stages - 1 in owned:
+                    F.mse_loss(out, ym).backward()
+                else:
+                    out.backward(gm)
 
     runs["bare"] = bare
     times: dict[str, list[float]] = {k: [] for k in runs}
     for rep in range(reps + 5):
         for key, fn in runs.items():
+            if p > 1:
+                dist.barrier()
             start = time.thread_time()
             fn()
             if rep >= 5:
                 times[key].append(time.thread_time() - start)
     med = {k: median(v) for k, v in times.items()}
-    return tuple((med[k] - med["bare"]) / (2 * m) * 1e6 for k in ("plait", "torch"))
+    return tuple((med[k] - med["bare"]) / actions * 1e6 for k in ("plait", "torch"))
 
 
 def _pp_ddp_times(reps: int) -> tuple[float, float]:
@@ -420,20 +483,30 @@ def run(quick: bool) -> None:
                 )
             )
         bubbles = run_distributed(_bubbles, names, reps, unit, world_size=world, timeout=1800)[0]
-        for name, stages, sim, sim_latency, latency, ours, theirs in bubbles:
+        for name, stages, sim, sim_latency, latency, ours, theirs, ours_us, theirs_us in bubbles:
             bubble_rows.append(
                 (
                     world,
                     name,
                     stages,
                     f"{sim:.1%}",
-                    f"{ours:.1%}",
-                    f"{(ours - sim) * 100:+.1f}",
                     f"{sim_latency:.1%} ({latency * 1e3:.2f} ms)",
+                    f"{ours:.1%}",
+                    f"{(ours - sim_latency) * 100:+.1f}",
                     f"{theirs:.1%}",
+                    f"{ours_us:.0f}",
+                    f"{theirs_us:.0f}",
                 )
             )
-    overhead = run_distributed(_action_overhead, 100 if quick else 300, world_size=1)[0]
+    overheads = [
+        (label, run_distributed(_action_overhead, name, 100 if quick else 300, listeners,
+                                world_size=world)) for label, name, world, listeners in (
+            ("1 rank, 1F1B", "1F1B", 1, True),
+            ("2 ranks, 1F1B", "1F1B", 2, True),
+            ("2 ranks, 1F1B, no plait.comm listener", "1F1B", 2, False),
+            ("2 ranks, ZBVZeroBubble", "ZBVZeroBubble", 2, True),
+        )
+    ]
     pp_ddp = run_distributed(_pp_ddp_times, reps, world_size=4, timeout=1800)[0]
     time_rows.append(
         (4, "1F1B x DDP (pp=2, dp=2)", 2, f"{pp_ddp[0] * 1e3:.1f}", f"{pp_ddp[1] * 1e3:.1f}",
@@ -447,12 +520,15 @@ def run(quick: bool) -> None:
         (4, "1F1B x FSDP (pp=2, dp=2)", 2, f"{fsdp_ours * 1e3:.1f}", f"{fsdp_theirs * 1e3:.1f}",
          ratio(fsdp_ours, fsdp_theirs))
     )
+    ratios = [float(r[5]) for r in time_rows if r[5] != "n/a"]
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
     print_table(
         f"pipeline step time, plait vs torch.distributed.pipelining (Gloo, {MICROBATCHES} "
         f"microbatches, 8-layer transformer dim 64, median of {reps})",
         ("world", "schedule", "stages", "plait ms", "torch ms", "plait/torch"),
         time_rows,
-        notes="Same stage modules (copies), same split and schedule; the first step (shape "
+        notes=f"plait/torch over all rows (geometric mean): {geomean:.2f}. "
+        "Same stage modules (copies), same split and schedule; the first step (shape "
         "inference) is not timed. 4 ranks share 2 cores. 1F1B x FSDP, collectives per step "
         f"on rank 0 ({groups} FSDP groups on its stage): plait {_collectives(fsdp_counts)}; torch "
         f"{_collectives(torch_counts)}.",
@@ -465,18 +541,35 @@ def run(quick: bool) -> None:
             "schedule",
             "stages",
             "simulated",
-            "plait",
-            "plait-sim (pts)",
             "sim with p2p latency",
+            "plait",
+            "plait - sim w/ latency (pts)",
             "torch",
+            "plait µs/action",
+            "torch µs/action",
         ),
         bubble_rows,
-        notes=f"runtime overhead per compute action (1 rank, 1F1B, CPU time beyond the "
-        f"compute): plait {overhead[0]:.1f} µs, torch {overhead[1]:.1f} µs. "
-        "simulated: plait.pipelining.simulate with Costs(F=1, B=2, W=1), transfers free; "
+        notes="simulated: plait.pipelining.simulate with Costs(F=1, B=2, W=1), transfers free; "
         "'with p2p latency': the same with Costs.comm = plait.comm's one-way p2p time measured "
         "in the same run (in brackets). Measured: 1 - sum of sleeps / (p * window), over all "
-        "ranks' logged sleeps.",
+        "ranks' logged sleeps. µs/action: CPU time (thread_time) per compute action beyond "
+        "the stages' own forward and backward, mean over ranks: the runtime's work between "
+        "two sleeps, on the critical path and not in the simulator (cold caches after each "
+        "sleep make it larger than in the loop below).",
+    )
+    print_table(
+        f"pipeline runtime overhead per compute action (4x4 linear stages, {MICROBATCHES} "
+        "microbatches, CPU µs beyond the compute, per rank)",
+        ("setting", "plait µs", "torch µs", "plait/torch"),
+        [
+            (label, " / ".join(f"{r[0]:.1f}" for r in res), " / ".join(f"{r[1]:.1f}" for r in res),
+             ratio(sum(r[0] for r in res), sum(r[1] for r in res)))
+            for label, res in overheads
+        ],
+        notes="thread_time of a step minus the same forwards and backwards in a plain loop, "
+        "per compute action of the rank (blocked waits cost no CPU). plait's default keeps "
+        "plait.debug's flight recorder on plait.comm's door (one call site per p2p op); the "
+        "'no plait.comm listener' row removes it.",
     )
 
 

@@ -32,6 +32,8 @@ class P2POp:
     group: ProcessGroup
 
     def __post_init__(self) -> None:
+        if self.kind == "send" or self.kind == "recv":  # the runtime's spelling: nothing to do
+            return
         kind = {isend: "send", irecv: "recv"}.get(self.kind, self.kind)
         if kind not in ("send", "recv"):
             raise ValueError(f"P2POp kind must be 'send', 'recv', isend or irecv, got {self.kind!r}")
@@ -55,8 +57,10 @@ def _begin(kind: str, tensor: torch.Tensor, peer: int, info: GroupInfo, async_op
     return event
 
 
-def _prepare(kind: str, tensor: torch.Tensor, peer: int, group: ProcessGroup) -> tuple[GroupInfo, torch.Tensor]:
-    info = group_info(group)
+def _prepare(
+    kind: str, tensor: torch.Tensor, peer: int, group: ProcessGroup, info: GroupInfo | None = None
+) -> tuple[GroupInfo, torch.Tensor]:
+    info = group_info(group) if info is None else info
     checks.tensor(tensor, "tensor", info, in_place=kind == "recv")
     checks.peer(peer, info, "dst" if kind == "send" else "src")
     wire = tensor.contiguous()
@@ -101,27 +105,49 @@ def recv(tensor: torch.Tensor, *, src: int, group: ProcessGroup) -> torch.Tensor
     return Handle(None, lambda: tensor, event).wait()
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 @eager_only
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Handle]:
     """Start every op of the batch together (coalesced where the backend can) and return
-    one handle per op, in order. Every op of a batch must use the same group."""
+    one handle per op, in order. Every op of a batch must use the same group.
+
+    Every op is checked (and shown to the listeners) before any is issued. Gloo does not
+    coalesce p2p: its ops are issued one by one on the group, as c10d's own batch does for
+    it, without that batch's per-call bookkeeping (the pipeline runtime posts one batch per
+    transfer)."""
     if not ops:
         return []
-    groups = {op.group.group_name for op in ops}
-    if len(groups) != 1:
-        raise ValueError(f"batch_isend_irecv got ops on {len(groups)} groups {sorted(groups)}; use one group per batch")
+    group = ops[0].group
+    for op in ops:
+        if op.group is not group and op.group.group_name != group.group_name:
+            names = sorted({o.group.group_name for o in ops})
+            raise ValueError(f"batch_isend_irecv got ops on {len(names)} groups {names}; use one group per batch")
+    info = group_info(group)
     prepared = []
     for op in ops:
-        info, wire = _prepare(op.kind, op.tensor, op.peer, op.group)
-        prepared.append((op, info, wire, _begin(op.kind, op.tensor, op.peer, info, True)))
-    c10d_ops = [
-        _c10d.P2POp(_c10d.isend if op.kind == "send" else _c10d.irecv, wire, group=op.group, group_peer=op.peer)
-        for op, _, wire, _ in prepared
-    ]
-    works = _c10d.batch_isend_irecv(c10d_ops)
-    if len(works) != len(ops):  # NCCL coalesces a batch into one work
-        works = [works[-1]] * len(ops)
+        _, wire = _prepare(op.kind, op.tensor, op.peer, group, info)
+        prepared.append((op, wire, _begin(op.kind, op.tensor, op.peer, info, True)))
+    if info.backend == "gloo":
+        # The group's own send/recv, what c10d's isend/irecv end in: the peer is a group
+        # rank and the group is one this rank is in (both checked above); complex goes as
+        # its real view, as c10d's wrappers send it.
+        works = [
+            group.send([_real(wire)], op.peer, 0) if op.kind == "send"
+            else group.recv([_real(wire)], op.peer, 0)
+            for op, wire, _ in prepared
+        ]
+    else:
+        c10d_ops = [
+            _c10d.P2POp(_c10d.isend if op.kind == "send" else _c10d.irecv, wire, group=group, group_peer=op.peer)
+            for op, wire, _ in prepared
+        ]
+        works = _c10d.batch_isend_irecv(c10d_ops)
+        if len(works) != len(ops):  # NCCL coalesces a batch into one work
+            works = [works[-1]] * len(ops)
     return [
-        Handle(work, (lambda t=op.tensor: t) if op.kind == "recv" else (lambda: None), event)
-        for work, (op, _, _, event) in zip(works, prepared)
+        Handle(work, (lambda t=op.tensor: t) if op.kind == "recv" else (lambda keep=wire: None), event)
+        for work, (op, wire, event) in zip(works, prepared)
     ]

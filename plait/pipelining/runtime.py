@@ -1,9 +1,10 @@
 """The one runtime: run this rank's list of a lowered schedule, with plait.comm p2p.
 
     Schedule (any: built-in, lists, CSV) --lower--> per-rank actions --check--> plan (cached)
+        --compile (program.py, once)--> this rank's program
     step: [first step only: F of microbatch 0 down the stages, carrying shape metadata]
-          for each action of this rank, in order:
-              run of SEND/RECV -> one comm.batch_isend_irecv; receives kept by (stage, kind, mb)
+          for each op of the program, in order:
+              run of SEND/RECV -> one comm.batch_isend_irecv; receives kept in their slots
               F | B | I | W    -> wait for the receive it reads, then compute on the stage
           wait for every send
     data-parallel stages (DDP / replicate / fully_shard submodule): sync off at the start
@@ -39,6 +40,7 @@ from torch.distributed import ProcessGroup
 from plait import comm
 
 from .meta import recv_metas, send_metas
+from .program import Compute, Post, Program, compile_program
 from .schedules import Action, ActionType, Schedule, check, lower
 from .stage import PipelineStage
 
@@ -75,8 +77,8 @@ class _Step:
     kwarg_mbs: list[dict]
     target_mbs: list[Any] | None
     loss_fn: Callable | None
+    recvs: list[list[comm.Handle] | None]  # by slot (program.py)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    recvs: dict[Action, list[comm.Handle]] = field(default_factory=dict)
     sends: list[comm.Handle] = field(default_factory=list)
     skip: set[Action] = field(default_factory=set)
     weight_grads: dict[int, int] = field(default_factory=dict)  # stage -> B|W done this step
@@ -93,6 +95,7 @@ class PipelineRuntime:
         self.rank = comm.get_rank(group)
         self.timeline: list[tuple[Action, float, float]] = []  # last step: compute, perf_counter
         self._plans: dict[bool, Schedule] = {}
+        self._programs: dict[bool, Program] = {}
         self._shapes_known = False
 
     def plan(self, has_backward: bool) -> Schedule:
@@ -105,6 +108,14 @@ class PipelineRuntime:
             self._plans[False] = forward_only(self._plans[True])
         return self._plans[has_backward]
 
+    def program(self, has_backward: bool) -> Program:
+        """This rank's part of `plan(has_backward)`, compiled once (program.py)."""
+        found = self._programs.get(has_backward)
+        if found is None:
+            actions = self.plan(has_backward).actions[self.rank]
+            found = self._programs[has_backward] = compile_program(actions, self.stages)
+        return found
+
     def run(
         self,
         arg_mbs: list[tuple],
@@ -114,42 +125,36 @@ class PipelineRuntime:
         has_backward: bool,
     ) -> dict[int, torch.Tensor]:
         """One step; returns this rank's losses by microbatch (detached; empty if none)."""
-        actions = self.plan(has_backward).actions[self.rank]
+        program = self.program(has_backward)
         for stage in self.stages.values():
             stage.clear_runtime_states()
             stage.has_backward = has_backward
-        step = _Step(arg_mbs, kwarg_mbs, target_mbs, loss_fn)
+        step = _Step(arg_mbs, kwarg_mbs, target_mbs, loss_fn, [None] * program.num_slots)
         self.timeline = []
         syncing = [s for s in self.stages.values() if has_backward and s.grad_sync is not None]
         for stage in syncing:
             stage.grad_sync.begin_step()
         if not self._shapes_known:
-            self._infer_shapes(step)
+            self._infer_shapes(step, program)
             self._shapes_known = True
-        i = 0
-        while i < len(actions):
-            if actions[i].is_comm:
-                j = i
-                while j < len(actions) and actions[j].is_comm:
-                    j += 1
-                self._post(actions[i:j], step)
-                i = j
-                continue
-            if actions[i].is_compute and actions[i] not in step.skip:
-                self._compute(actions[i], step)
-            i += 1  # bookkeeping (UNSHARD, RESHARD, REDUCE_GRAD from torch CSVs) does nothing
+        skip = step.skip
+        compute, post = self._compute, self._post
+        for op in program.ops:
+            if op.__class__ is Compute:
+                if not skip or op.action not in skip:
+                    compute(op, step)
+            else:
+                post(op, step)
         for handle in step.sends:
             handle.wait()
         for stage in syncing:
             stage.grad_sync.end_step()  # grads averaged over data parallel; then scale_grads
-        assert not step.recvs, (
-            f"rank {self.rank}: receives never consumed: {sorted(map(str, step.recvs))}"
-        )
+        assert not any(step.recvs), f"rank {self.rank}: receives never consumed"
         for stage in self.stages.values():
             stage.assert_drained()
         return {mb: loss.detach() for mb, loss in step.losses.items()}
 
-    def _infer_shapes(self, step: _Step) -> None:
+    def _infer_shapes(self, step: _Step, program: Program) -> None:
         for s in sorted(self.stages):
             stage = self.stages[s]
             if s > 0 and s - 1 not in self.stages:
@@ -161,7 +166,7 @@ class PipelineRuntime:
                 step.skip.add(Action(s, _RECV_F, 0))
             elif s > 0:
                 stage.set_inputs_meta(self.stages[s - 1].outputs_meta)
-            self._compute(Action(s, _F, 0), step)
+            self._compute(program.computes[Action(s, _F, 0)], step)
             step.skip.add(Action(s, _F, 0))
             if not stage.is_last and s + 1 not in self.stages:
                 dst = stage.rank_of(s + 1)
@@ -171,68 +176,67 @@ class PipelineRuntime:
                 ]
                 step.skip.add(Action(s, _SEND_F, 0))
 
-    def _post(self, batch: Sequence[Action], step: _Step) -> None:
+    def _post(self, post: Post, step: _Step) -> None:
         """Post a run of consecutive SEND/RECV as one batch_isend_irecv."""
         ops: list[comm.P2POp] = []
-        owners: list[tuple[Action, int]] = []
-        for a in batch:
-            if a in step.skip:
+        owners: list[tuple[int, int]] = []  # (slot, ops) per transfer
+        skip = step.skip
+        for t in post.transfers:
+            if skip and t.action in skip:
                 continue
-            stage = self.stages[a.stage]
-            make = {
-                _SEND_F: stage.fwd_send_ops,
-                _RECV_F: stage.fwd_recv_ops,
-                _SEND_B: stage.bwd_send_ops,
-                _RECV_B: stage.bwd_recv_ops,
-            }[a.kind]
-            new = make(a.microbatch)
-            owners.append((a, len(new)))
+            new = t.make(t.microbatch)
+            owners.append((t.slot, len(new)))
             ops += new
+        if not ops:
+            return
         handles = comm.batch_isend_irecv(ops)
+        if len(owners) == 1 and owners[0][0] >= 0:  # the common case: one receive
+            step.recvs[owners[0][0]] = handles
+            return
         k = 0
-        for a, n in owners:
-            if a.kind in (_RECV_F, _RECV_B):
-                step.recvs[a] = handles[k : k + n]
+        for slot, n in owners:
+            if slot >= 0:
+                step.recvs[slot] = handles[k : k + n]
             else:
                 step.sends += handles[k : k + n]
             k += n
         step.sends = _reap(step.sends)
 
-    def _wait(self, step: _Step, recv: tuple) -> None:
-        for handle in step.recvs.pop(recv, ()):
-            handle.wait()
-
-    def _compute(self, a: Action, step: _Step) -> None:
-        s, kind, mb = a
-        stage = self.stages[s]
+    def _compute(self, op: Compute, step: _Step) -> None:
+        stage, kind, mb = op.stage, op.kind, op.microbatch
         start = time.perf_counter()
+        if op.wait >= 0:
+            handles = step.recvs[op.wait]
+            if handles is not None:
+                step.recvs[op.wait] = None
+                for handle in handles:
+                    handle.wait()
         if kind is _F:
-            self._wait(step, (s, _RECV_F, mb))  # a plain tuple finds the Action key
             args = step.arg_mbs[mb] if stage.is_first else ()
             output = stage.forward_one_chunk(mb, args, step.kwarg_mbs[mb])
             if stage.is_last and step.loss_fn is not None and step.target_mbs is not None:
                 with torch.set_grad_enabled(stage.has_backward):
                     step.losses[mb] = step.loss_fn(output, step.target_mbs[mb])
-            elif s + 1 in self.stages:
-                self.stages[s + 1].set_local_input(mb, stage.take_outputs(mb))
+            elif op.hand_to is not None:
+                op.hand_to.set_local_input(mb, stage.take_outputs(mb))
         elif kind is _B or kind is _I:
-            self._wait(step, (s, _RECV_B, mb))
             loss = None
             if stage.is_last:
                 loss = step.losses[mb]
                 step.losses[mb] = loss.detach()  # the graph must not outlive I (see backward.py)
             stage.backward_one_chunk(mb, loss=loss, full_backward=kind is _B)
-            if s - 1 in self.stages:
-                self.stages[s - 1].set_local_grads(mb, stage.take_input_grads(mb))
+            if op.hand_to is not None:
+                op.hand_to.set_local_grads(mb, stage.take_input_grads(mb))
         elif kind is _W:
             stage.backward_weight_one_chunk(mb)
-        if kind is _B or kind is _W:  # each microbatch's weight grads come from its B or W
+        if op.weight_grads:  # each microbatch's weight grads come from its B or W
+            s = stage.stage_index
             done = step.weight_grads[s] = step.weight_grads.get(s, 0) + 1
             if stage.grad_sync is not None:
                 stage.grad_sync.after_backward()
                 if done == self.schedule.num_microbatches:
                     stage.grad_sync.last_backward()  # one reduction per step, launched now
-        self.timeline.append((a, start, time.perf_counter()))
+        self.timeline.append((op.action, start, time.perf_counter()))
 
 
 def _reap(sends: list[comm.Handle]) -> list[comm.Handle]:

@@ -156,6 +156,11 @@ class PipelineStage:
         self.inputs_meta = metas
 
     def _check_outputs(self, mb: int, outputs: tuple[torch.Tensor, ...]) -> None:
+        known = self.outputs_meta
+        if known is not None and len(known) == len(outputs) and all(
+            t.dtype == m.dtype and t.shape == m.shape for t, m in zip(outputs, known)
+        ):
+            return  # every microbatch after the first: the same shapes, checked cheaply
         got = tuple(TensorMeta.of(t) for t in outputs)
         if self.outputs_meta is None:
             if self._user_outputs_meta is not None:
