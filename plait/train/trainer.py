@@ -27,7 +27,7 @@ import torch
 from plait import comm
 from plait.data.text import TokenWindows, build_corpus
 from plait.models.llama import CONFIGS, ModelArgs, Transformer
-from plait.tensor import DTensor
+from plait.tensor import DTensor, Replicate
 from plait.train import metrics as M
 from plait.train.config import JobConfig
 from plait.train.data import BatchStream, val_batches
@@ -79,6 +79,17 @@ def _lr_lambda(config: JobConfig):
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def reduce_partial_grads(params: list[torch.nn.Parameter]) -> None:
+    """Make every grad complete: a Partial(sum) DTensor grad (a replicated parameter fed by
+    sharded activations, e.g. a SequenceParallel norm's weight) is all-reduced to Replicate, so
+    the grad norm below and the optimizer see the sum, reduced once."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                    for pl in g.placements])
 
 
 def grad_norm_sq(params: list[torch.nn.Parameter], *, world: int, pp: int) -> torch.Tensor:
@@ -196,6 +207,7 @@ def train(config: JobConfig) -> TrainResult:
         t0 = time.perf_counter()
         batch = next(stream)
         local_loss = _forward_backward(parts, batch, train=True)
+        reduce_partial_grads(params)
         norm_sq = grad_norm_sq(params, world=world, pp=dims.pp)
         comm.all_reduce(norm_sq, group=comm.world_group())
         norm = float(norm_sq.sqrt())
