@@ -79,6 +79,7 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enabled: bool = False  # torch.compile each block (after activation checkpointing, before FSDP)
+    backend: str = "inductor"
 
 
 @dataclass
@@ -96,7 +97,7 @@ class Data:
 class Metrics:
     log_every: int = 1
     val_every: int = 0  # 0: validate at the end only
-    val_batches: int = 2
+    val_batches: int = 2  # 0: no validation
     jsonl: str = ""  # default: {job.dir}/metrics.jsonl
     progress: bool = True  # a progress bar on rank 0 (tqdm)
     peak_flops: float = 0.0  # per rank, for MFU; 0: 1e12 on a GPU-less machine (see metrics.py)

@@ -87,7 +87,8 @@ def _checkpoint_forward(block: nn.Module) -> None:
 
 
 def parallelize_stage(module: Transformer, dims: ParallelDims, meshes: TrainMeshes, *,
-                      ac_mode: str = "none", ac_every: int = 1, compile: bool = False) -> Transformer:
+                      ac_mode: str = "none", ac_every: int = 1, compile: bool = False,
+                      compile_backend: str = "inductor") -> Transformer:
     """TP -> activation checkpointing -> compile -> FSDP on one stage (or the whole model)."""
     if dims.tp > 1:
         parallelize_llama(module, meshes.tp, sequence_parallel=dims.sequence_parallel,
@@ -95,7 +96,7 @@ def parallelize_stage(module: Transformer, dims: ParallelDims, meshes: TrainMesh
     apply_activation_checkpointing(module, mode=ac_mode, every=ac_every)
     if compile:
         for block in module.layers.values():
-            block.compile()
+            block.compile(backend=compile_backend)
     if meshes.fsdp is not None:
         from plait.fsdp import fully_shard
 
@@ -122,9 +123,9 @@ class PipelineParts:
 
 
 def build_parts(model: Transformer, dims: ParallelDims, meshes: TrainMeshes, *, loss_fn: Callable,
-                ac_mode: str, ac_every: int, compile: bool) -> PipelineParts:
+                ac_mode: str, ac_every: int, compile: bool, compile_backend: str = "inductor") -> PipelineParts:
     """Split (pp > 1), parallelize each part, wrap the stages in the chosen schedule."""
-    kw = dict(ac_mode=ac_mode, ac_every=ac_every, compile=compile)
+    kw = dict(ac_mode=ac_mode, ac_every=ac_every, compile=compile, compile_backend=compile_backend)
     if dims.pp == 1:
         return PipelineParts([parallelize_stage(model, dims, meshes, **kw)], None, [0], 1)
     from plait import pipelining

@@ -168,7 +168,8 @@ def train(config: JobConfig) -> TrainResult:
     model.init_weights(seed=config.job.seed)
     graph_breaks_before = _graph_breaks()
     parts = build_parts(model, dims, meshes, loss_fn=lm_loss, ac_mode=config.activation_checkpoint.mode,
-                        ac_every=config.activation_checkpoint.every, compile=config.compile.enabled)
+                        ac_every=config.activation_checkpoint.every, compile=config.compile.enabled,
+                        compile_backend=config.compile.backend)
     del model
     params = [p for m in parts.modules for p in m.parameters()]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=t.eps,
@@ -177,7 +178,7 @@ def train(config: JobConfig) -> TrainResult:
     stream = BatchStream(train_set, global_batch=t.batch_size, dp_rank=dp_rank, dp_size=dims.dp,
                          seed=config.job.seed)
     held_out = val_batches(val_set, global_batch=t.batch_size, count=config.metrics.val_batches,
-                           dp_rank=dp_rank, dp_size=dims.dp)
+                           dp_rank=dp_rank, dp_size=dims.dp) if config.metrics.val_batches else []
 
     result = TrainResult()
     start = 0  # TODO(ckio/ckstate): resume from the latest checkpoint here
@@ -228,7 +229,7 @@ def train(config: JobConfig) -> TrainResult:
         comm.all_reduce(mem, group=comm.world_group(), op="max")
         val = None
         every = config.metrics.val_every
-        if (every and step % every == 0) or step == t.steps:
+        if held_out and ((every and step % every == 0) or step == t.steps):
             val = validate()
             result.val_losses[step] = val
         tps = tokens_per_step / dt
