@@ -20,12 +20,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("plait.run", "launch a distributed job (torchrun's flags)"),
     "plan": ("plait.pipelining.plan", "check and simulate a pipeline schedule, draw its timeline"),
     "debug": ("plait.debug.cli", "analyze flight-recorder dumps of a hung job"),
+    "checkpoint": ("plait.checkpoint.tools", "inspect, verify, consolidate or import (torch DCP) a checkpoint"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: plait <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

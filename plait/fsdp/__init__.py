@@ -12,11 +12,38 @@ unsharded views (autograd leaves) -> forward/backward -> one reduce-scatter of t
 gradients (averaged) -> sharded .grad. Files: api (policies), param (one parameter's
 forms), group (state machine and collectives), state (hooks and the root), module
 (FSDPModule's methods), fully_shard (the entry point).
+
+The second front door, torch's FSDP1 wrapper, drives the same engine:
+
+    model = FullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={Block}))   # = fully_shard per Block, then root
+
+(fsdp1/: the wrapper, its options, state-dict types; wrap: the auto-wrap policies.)
 """
 
 from plait.fsdp.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.fsdp1 import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from plait.fsdp.fully_shard import fully_shard
 from plait.fsdp.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
-__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
-           "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["BackwardPrefetch", "CPUOffload", "CPUOffloadPolicy", "FSDPModule", "FullOptimStateDictConfig",
+           "FullStateDictConfig", "FullyShardedDataParallel", "LocalOptimStateDictConfig", "LocalStateDictConfig",
+           "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig",
+           "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig",
+           "StateDictSettings", "StateDictType", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]

@@ -60,6 +60,26 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
+    shard_modules(modules, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                  shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+                  ignored_params=ignored_params, mix_in=True)
+    return module
+
+
+def shard_modules(
+    modules: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    mix_in: bool,
+) -> FSDPState:
+    """The one implementation behind both front doors: shard what `modules` manage into one
+    group and install the hooks. `mix_in` makes each module an FSDPModule (fully_shard);
+    FullyShardedDataParallel, a wrapper, keeps its own class."""
     name = ", ".join(_describe(m) for m in modules)
     for m in modules:
         if getattr(m, "_plait_fsdp_state", None) is not None:
@@ -120,10 +140,11 @@ def fully_shard(
                       auto_reshard_after_forward=reshard_after_forward is None)
     for m in modules:
         m._plait_fsdp_state = state
-        m.__class__ = _fsdp_class(type(m))
+        if mix_in:
+            m.__class__ = _fsdp_class(type(m))
     if group is not None:
         _register_state_dict_hooks(modules, group)
-    return module
+    return state
 
 
 def _register_state_dict_hooks(modules: list[nn.Module], group: ParamGroup) -> None:
@@ -146,7 +167,7 @@ def _register_state_dict_hooks(modules: list[nn.Module], group: ParamGroup) -> N
 def _describe(m: nn.Module) -> str:
     """The module's own class name (FSDP<Class> after fully_shard says Class)."""
     cls = type(m)
-    return cls.__mro__[2].__name__ if getattr(m, "_plait_fsdp_state", None) is not None else cls.__name__
+    return cls.__mro__[2].__name__ if cls.__dict__.get("_plait_fsdp_mixed_in") else cls.__name__
 
 
 def _default_mesh() -> DeviceMesh:
@@ -247,7 +268,8 @@ def _fsdp_class(cls: type) -> type:
     """FSDP<cls>: FSDPModule first in the MRO, so isinstance holds for both."""
     from plait.fsdp.module import FSDPModule
 
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__,
+                                                           "_plait_fsdp_mixed_in": True})
 
 
 def _states(module: nn.Module, recurse: bool) -> Iterable[FSDPState]:
@@ -259,4 +281,4 @@ def _states(module: nn.Module, recurse: bool) -> Iterable[FSDPState]:
     return seen
 
 
-__all__ = ["fully_shard"]
+__all__ = ["fully_shard", "shard_modules"]

@@ -49,6 +49,7 @@ class SharedContext:
         self.post_forward_order: list[FSDPState] = []  # backward runs it in reverse
         self.queue = ReduceQueue()
         self.callback_queued = False
+        self.finishing = False  # the root's final callback is running
         self.is_last_backward = True
         # most non-root groups unsharded (or being gathered) at once; the root's group is
         # unsharded for the whole of its forward, around every other group's (tests read it)
@@ -69,6 +70,10 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None  # explicit lists override the default
         self.backward_prefetch: list[FSDPState] | None = None
+        # FullyShardedDataParallel's BACKWARD_POST: prefetch once this group's gradients are
+        # reduced (its unsharded memory freed) rather than when its backward begins
+        self.prefetch_after_backward = False
+        self.backward_end_hooks: list = []  # run by the root at the end of the last backward
         self._to_run: set[nn.Module] = set()  # modules of the group yet to finish this forward
         self._handles = []
         for module in modules:
@@ -212,11 +217,15 @@ class FSDPState:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
         self.unshard()
+        if not self.prefetch_after_backward:
+            self._prefetch_backward()
+        return grad
+
+    def _prefetch_backward(self) -> None:
         if self.backward_prefetch is not None:
             self.prefetch(self.backward_prefetch)
         else:
-            self.prefetch(_after(ctx.post_forward_order[::-1], self))
-        return grad
+            self.prefetch(_after(self.ctx.post_forward_order[::-1], self))
 
     def post_backward(self) -> None:
         if self.training_state is TrainingState.POST_BACKWARD:
@@ -224,16 +233,23 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         if self.group is not None:
             self.group.post_backward()
+        if self.prefetch_after_backward and not self.ctx.finishing:
+            self._prefetch_backward()  # (the final callback's post-backwards have none to prefetch)
 
     @_dynamo_disable
     def _root_final_callback(self) -> None:
         ctx = self.ctx
+        ctx.finishing = True
         for state in reversed(ctx.states):
             if state.training_state is not TrainingState.POST_BACKWARD:
                 state.post_backward()  # its inputs needed no grad: autograd never called it
             state.training_state = TrainingState.IDLE
+        ctx.finishing = False
         if ctx.is_last_backward:
             ctx.queue.drain()
+            for state in ctx.states:
+                for hook in state.backward_end_hooks:
+                    hook()
         ctx.callback_queued = False
 
 

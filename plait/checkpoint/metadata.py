@@ -1,0 +1,106 @@
+"""The checkpoint's table of contents: `metadata.json`, written last, read first.
+
+    Metadata
+      tensors: fqn -> TensorMeta(shape, dtype, layout, chunks=[ChunkMeta(offsets, sizes,
+               file, name, begin, nbytes, crc32)])   -- the chunks tile the global tensor once
+      values:  fqn -> JSON (values.encode)           -- non-tensor state, rank 0's
+      world_size, files
+
+A chunk is one saved piece of a tensor: its place in the global tensor (offsets, sizes per
+dim), where its bytes lie (file, byte range [begin, begin+nbytes)) and their zlib.crc32.
+`layout` records how the tensor was laid out when saved (mesh shape, axis names,
+placements), for `plait checkpoint inspect`; load never needs it, since the chunks say
+where every element is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+FORMAT = "plait-checkpoint"
+VERSION = 1
+METADATA_FILE = "metadata.json"
+
+# torch dtype <-> safetensors dtype tag
+_ST_TAGS = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+    torch.int32: "I32", torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float32: "F32", torch.float64: "F64", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_BY_NAME = {str(d).removeprefix("torch."): d for d in _ST_TAGS}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _BY_NAME:
+        raise ValueError(f"dtype {name!r} in checkpoint metadata is not one safetensors stores")
+    return _BY_NAME[name]
+
+
+def safetensors_tag(dtype: torch.dtype, *, key: str) -> str:
+    if dtype not in _ST_TAGS:
+        raise TypeError(f"state_dict[{key!r}] has dtype {dtype}, which safetensors cannot store "
+                        f"(supported: {sorted(_BY_NAME)}); convert it (complex: torch.view_as_real)")
+    return _ST_TAGS[dtype]
+
+
+@dataclass
+class ChunkMeta:
+    offsets: list[int]
+    sizes: list[int]
+    file: str
+    name: str  # the tensor's name inside the safetensors file
+    begin: int
+    nbytes: int
+    crc32: int
+
+
+@dataclass
+class TensorMeta:
+    shape: list[int]
+    dtype: str
+    layout: dict[str, Any]
+    chunks: list[ChunkMeta] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_from_name(self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Metadata:
+    tensors: dict[str, TensorMeta]
+    values: dict[str, Any]
+    world_size: int
+    files: list[str]
+
+    def to_json(self) -> str:
+        body = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        return json.dumps(body, indent=1, sort_keys=False)
+
+    @staticmethod
+    def from_json(text: str, *, where: str) -> Metadata:
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise ValueError(f"{where} is not plait checkpoint metadata (no format={FORMAT!r})")
+        if body.get("version") != VERSION:
+            raise ValueError(f"{where} has format version {body.get('version')}; this plait reads {VERSION}")
+        tensors = {
+            k: TensorMeta(t["shape"], t["dtype"], t["layout"], [ChunkMeta(**c) for c in t["chunks"]])
+            for k, t in body["tensors"].items()
+        }
+        return Metadata(tensors, body["values"], body["world_size"], body["files"])

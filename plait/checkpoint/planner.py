@@ -1,0 +1,241 @@
+"""Planners: which chunks this rank writes, and which saved pieces each local shard reads.
+
+    save: flat leaves -> WriteItems (fqn, offsets, sizes, local data), one writer per chunk
+          plain tensor    -> one chunk, the whole tensor, written by one rank of the group
+          DTensor         -> this rank's piece (Shard axes cut it, torch.chunk sizes);
+                             ranks that hold the same piece along Replicate axes: only the one
+                             at coordinate 0 on those axes writes it (dedup); Partial refused
+    load: flat leaves + Metadata -> ReadItems: for each local shard, every saved chunk that
+          overlaps it, with the box to copy (src offsets in the chunk, dst offsets in the shard)
+
+Both are pure functions of shapes and coordinates, so any saved layout reads into any
+current layout: the chunks of a tensor tile it exactly once, and the overlaps of a shard
+with them tile the shard exactly once (checked).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plait.checkpoint import values as values_mod
+from plait.checkpoint.metadata import ChunkMeta, Metadata, dtype_name, safetensors_tag
+from plait.tensor.dtensor import DTensor
+from plait.tensor.placement import Partial, Replicate, local_shape_and_offset
+
+
+@dataclass
+class WriteItem:
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: torch.Tensor  # this chunk's elements, shape == sizes
+    shape: tuple[int, ...]  # the global tensor's
+    layout: dict[str, Any]
+
+
+@dataclass
+class SavePlan:
+    items: list[WriteItem]
+    tensors: dict[str, dict[str, Any]]  # fqn -> {shape, dtype, layout}: every tensor, written here or not
+    values: dict[str, Any]  # fqn -> encoded value
+    plain: list[str]  # fqns of the plain tensors this rank holds
+
+
+@dataclass
+class ReadItem:
+    fqn: str
+    chunk: ChunkMeta
+    dtype: torch.dtype
+    src_offsets: tuple[int, ...]  # the box inside the saved chunk
+    dst: torch.Tensor  # the box inside the local shard (a view to copy into)
+    sizes: tuple[int, ...]
+
+
+@dataclass
+class LoadPlan:
+    reads: list[ReadItem]
+    values: dict[str, Any]  # fqn -> decoded value to assign
+    report: list[str] = field(default_factory=list)  # problems skipped under allow_partial_load
+
+
+def _layout(t: torch.Tensor) -> dict[str, Any]:
+    if isinstance(t, DTensor):
+        mesh = t.device_mesh
+        return {"mesh_shape": list(mesh.shape), "mesh_dim_names": list(mesh.mesh_dim_names or ()),
+                "placements": [repr(p) for p in t.placements]}
+    return {"placements": []}
+
+
+def local_chunk(fqn: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
+    """(local data, offsets, whether this rank is the piece's writer), None off the mesh."""
+    if not isinstance(t, DTensor):
+        return t.detach(), (0,) * t.dim(), True
+    spec = t._spec
+    for p in spec.placements:
+        if isinstance(p, Partial):
+            raise ValueError(f"state_dict[{fqn!r}] is a DTensor with placements {list(spec.placements)}: "
+                             "a Partial value is not the tensor yet; redistribute it to Replicate or "
+                             "Shard before saving")
+    coordinate = spec.mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    sizes, offsets = local_shape_and_offset(spec.shape, spec.placements, spec.mesh.shape, coordinate)
+    local = t._local_tensor.detach()
+    assert tuple(local.shape) == tuple(sizes), (fqn, tuple(local.shape), sizes)
+    writer = all(c == 0 for c, p in zip(coordinate, spec.placements) if isinstance(p, Replicate))
+    return local, offsets, writer
+
+
+class DefaultSavePlanner:
+    """torch's DefaultSavePlanner: flatten, dedup replicated chunks, one writer each.
+
+    dedup_save_to_lowest_rank=False (torch's default) spreads the plain (replicated)
+    tensors over their holders round-robin so every rank writes a share; True gives each
+    to its lowest holder. A DTensor's replicated piece is written by its coordinate-0 holder.
+    """
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 dedup_replicated_tensors: bool | None = None, dedup_save_to_lowest_rank: bool = False) -> None:
+        if not flatten_state_dict or not flatten_sharded_tensors:
+            raise ValueError("plait's checkpoint always flattens the state dict; "
+                             "flatten_state_dict/flatten_sharded_tensors=False are not supported")
+        del dedup_replicated_tensors  # deprecated in torch too: dedup always happens
+        self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
+
+    def create_local_plan(self, leaves: dict[str, Any]) -> SavePlan:
+        items: list[WriteItem] = []
+        tensors: dict[str, dict[str, Any]] = {}
+        values: dict[str, Any] = {}
+        plain: list[str] = []
+        for fqn, v in leaves.items():
+            if not isinstance(v, torch.Tensor):
+                # every rank encodes (and so refuses alike); the commit keeps the lowest rank's
+                values[fqn] = values_mod.encode(v, key=fqn)
+                continue
+            safetensors_tag(v.dtype, key=fqn)
+            shape = tuple(v.shape)
+            tensors[fqn] = {"shape": list(shape), "dtype": dtype_name(v.dtype), "layout": _layout(v)}
+            found = local_chunk(fqn, v)
+            if found is None:
+                continue
+            local, offsets, writer = found
+            if not isinstance(v, DTensor):
+                plain.append(fqn)
+                writer = None  # decided by assign_writers, once every rank's plain keys are known
+            if writer is not False and local.numel() > 0:
+                items.append(WriteItem(fqn, tuple(offsets), tuple(local.shape), local, shape, tensors[fqn]["layout"]))
+        return SavePlan(items, tensors, values, plain)
+
+    def assign_writers(self, plan: SavePlan, plain_by_rank: list[list[str]], *, rank: int) -> SavePlan:
+        """Keep the plain tensors this rank writes: each is held by some ranks (all of them
+        for replicated state, one for a pipeline stage's); one holder writes it."""
+        holders: dict[str, list[int]] = {}
+        for r, keys in enumerate(plain_by_rank):
+            for fqn in keys:
+                holders.setdefault(fqn, []).append(r)
+        owner = {}
+        for i, fqn in enumerate(sorted(holders)):
+            hs = holders[fqn]
+            owner[fqn] = hs[0] if self.dedup_save_to_lowest_rank else hs[i % len(hs)]
+        plain = set(plan.plain)
+        plan.items = [it for it in plan.items if it.fqn not in plain or owner[it.fqn] == rank]
+        return plan
+
+
+def _overlap(a_off, a_size, b_off, b_size) -> tuple[list[int], list[int]] | None:
+    lo = [max(x, y) for x, y in zip(a_off, b_off)]
+    hi = [min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size)]
+    if any(h <= a for a, h in zip(lo, hi)):
+        return None
+    return lo, [h - a for a, h in zip(lo, hi)]
+
+
+def _missing(fqn: str, v: Any, metadata: Metadata, where: str) -> str:
+    msg = f"missing key {fqn!r}: the state dict has it, {where} does not"
+    below = [k for k in (*metadata.tensors, *metadata.values) if k.startswith(fqn + ".")]
+    if below and v == {}:
+        msg += (f" (it saved {len(below)} keys under it, e.g. {below[0]!r}: an optimizer whose state "
+                "is not created yet? call plait.checkpoint.state_dict._init_optim_state(optim) first)")
+    return msg
+
+
+class DefaultLoadPlanner:
+    """torch's DefaultLoadPlanner. allow_partial_load=True reports keys missing from the
+    checkpoint, unexpected saved keys and shape/dtype mismatches (warnings, and
+    `self.report`) and skips them instead of raising."""
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 allow_partial_load: bool = False) -> None:
+        if not flatten_state_dict or not flatten_sharded_tensors:
+            raise ValueError("plait's checkpoint always flattens the state dict; "
+                             "flatten_state_dict/flatten_sharded_tensors=False are not supported")
+        self.allow_partial_load = allow_partial_load
+        self.report: list[str] = []
+
+    def _problem(self, msg: str) -> None:
+        if not self.allow_partial_load:
+            raise ValueError(msg)
+        self.report.append(msg)
+        warnings.warn(msg, stacklevel=4)
+
+    def create_local_plan(self, leaves: dict[str, Any], metadata: Metadata, *, where: str,
+                          containers: set[str]) -> LoadPlan:
+        """`containers`: top-level keys whose whole subtree is being loaded, so a saved key
+        under one of them that the state dict lacks means the wrong model or optimizer."""
+        self.report = []
+        plan = LoadPlan([], {})
+        for fqn in sorted(set(metadata.tensors) | set(metadata.values)):
+            if fqn not in leaves and fqn.split(".", 1)[0] in containers:
+                self._problem(f"unexpected key {fqn!r}: {where} has it, the state dict being loaded "
+                              "does not (a different model? allow_partial_load=True skips it)")
+        for fqn, v in leaves.items():
+            if isinstance(v, torch.Tensor):
+                self._plan_tensor(fqn, v, metadata, where, plan)
+            elif fqn in metadata.values:
+                plan.values[fqn] = values_mod.decode(metadata.values[fqn])
+            elif fqn in metadata.tensors:
+                self._problem(f"state_dict[{fqn!r}] is a {type(v).__name__} but {where} saved a tensor "
+                              f"{metadata.tensors[fqn].dtype}{metadata.tensors[fqn].shape} there")
+            else:
+                self._problem(_missing(fqn, v, metadata, where))
+        return plan
+
+    def _plan_tensor(self, fqn: str, v: torch.Tensor, metadata: Metadata, where: str, plan: LoadPlan) -> None:
+        meta = metadata.tensors.get(fqn)
+        if meta is None:
+            if fqn in metadata.values:
+                self._problem(f"state_dict[{fqn!r}] is a tensor but {where} saved a "
+                              f"non-tensor value {values_mod.decode(metadata.values[fqn])!r} there")
+            else:
+                self._problem(_missing(fqn, v, metadata, where))
+            return
+        if list(v.shape) != list(meta.shape) or dtype_name(v.dtype) != meta.dtype:
+            self._problem(f"state_dict[{fqn!r}] is {dtype_name(v.dtype)}{list(v.shape)} but {where} "
+                          f"saved {meta.dtype}{meta.shape}")
+            return
+        found = local_chunk(fqn, v)
+        if found is None:
+            return
+        local, offsets, _ = found
+        sizes = tuple(local.shape)
+        dtype, covered = v.dtype, 0
+        for c in meta.chunks:
+            box = _overlap(offsets, sizes, c.offsets, c.sizes)
+            if box is None:
+                continue
+            lo, size = box
+            dst = local
+            for d, (start, n) in enumerate(zip(lo, size)):
+                dst = dst.narrow(d, start - offsets[d], n)
+            src = tuple(lo_d - c_d for lo_d, c_d in zip(lo, c.offsets))
+            plan.reads.append(ReadItem(fqn, c, dtype, src, dst, tuple(size)))
+            covered += math.prod(size)
+        if covered != local.numel():
+            raise ValueError(f"{where} covers {covered} of the {local.numel()} elements of this rank's "
+                             f"piece of {fqn!r} (offsets {list(offsets)}, sizes {list(sizes)}): its chunks "
+                             "do not tile the tensor; the checkpoint is damaged")

@@ -1,0 +1,106 @@
+"""save: every rank writes the chunks it owns, in parallel; rank 0 commits.
+
+    state dict -> Stateful members expanded -> flat leaves -> local plan (planner)
+      -> agree (errors, plain-tensor holders; rank 0 has made PATH.incomplete)
+      -> write own files + fragment -> agree -> rank 0: metadata.json, rename -> agree
+
+Every failure, on any rank, is raised on every rank at the next agree, so no rank is left
+waiting; the checkpoint is then not committed and the previous one at PATH is untouched.
+The same steps, split at the write, make async_save.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed import ProcessGroup
+
+from plait.checkpoint import commit
+from plait.checkpoint.flatten import flatten
+from plait.checkpoint.group import Group
+from plait.checkpoint.metadata import METADATA_FILE, Metadata
+from plait.checkpoint.planner import DefaultSavePlanner, SavePlan, WriteItem
+from plait.checkpoint.stateful import expand
+from plait.checkpoint.storage import FileSystemWriter
+
+COMMIT_TIMEOUT_S = 1800.0  # rank 0 waits this long for the other ranks' files (async save)
+
+
+def resolve_writer(checkpoint_id: str | os.PathLike | None, storage_writer: FileSystemWriter | None) -> FileSystemWriter:
+    if storage_writer is None:
+        if checkpoint_id is None:
+            raise ValueError("give checkpoint_id (a directory path) or storage_writer=FileSystemWriter(path)")
+        return FileSystemWriter(checkpoint_id)
+    if not isinstance(storage_writer, FileSystemWriter):
+        raise TypeError(f"storage_writer must be a plait.checkpoint.FileSystemWriter, got {type(storage_writer).__name__}")
+    storage_writer.reset(checkpoint_id)
+    return storage_writer
+
+
+@dataclass
+class Prepared:
+    writer: FileSystemWriter
+    group: Group
+    plan: SavePlan
+    staging: str
+
+
+def prepare(state_dict: dict[str, Any], checkpoint_id, storage_writer, planner, process_group) -> Prepared:
+    """Plan on every rank and open the staging directory: the collective part before writing."""
+    writer = resolve_writer(checkpoint_id, storage_writer)
+    planner = planner or DefaultSavePlanner()
+    group = Group(process_group)
+    error, plan = None, None
+    try:
+        expanded, _ = expand(state_dict)
+        leaves, _ = flatten(expanded)
+        plan = planner.create_local_plan(leaves)
+        if group.rank == 0:
+            commit.begin(writer.path, overwrite=writer.overwrite)
+    except (ValueError, TypeError, OSError) as e:
+        error = e
+    plain_by_rank = group.agree(error, plan.plain if plan else None)
+    plan = planner.assign_writers(plan, plain_by_rank, rank=group.rank)
+    return Prepared(writer, group, plan, commit.staging_dir(writer.path))
+
+
+def write_own(p: Prepared, items: list[WriteItem]) -> BaseException | None:
+    """Write this rank's files and its fragment; the error, if any, goes in the fragment."""
+    error, files, chunks = None, [], {}
+    try:
+        files, chunks = p.writer.write(items, p.staging, p.group.rank)
+    except (OSError, ValueError, TypeError) as e:
+        error = e
+    body = {"rank": p.group.rank, "tensors": p.plan.tensors, "chunks": chunks, "values": p.plan.values,
+            "files": files, "error": None if error is None else f"{type(error).__name__}: {error}"}
+    try:
+        commit.write_fragment(p.staging, p.group.rank, body, sync=p.writer.sync_files)
+    except OSError as e:
+        error = error or e
+    return error
+
+
+def read_committed(path: str) -> Metadata:
+    where = os.path.join(path, METADATA_FILE)
+    with open(where) as f:
+        return Metadata.from_json(f.read(), where=where)
+
+
+def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
+         storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
+         process_group: ProcessGroup | None = None) -> Metadata:
+    """Save `state_dict` (plain tensors, DTensors, Stateful members, JSON-able values) to the
+    directory `checkpoint_id`, every rank writing its own chunks. Collective over
+    `process_group` (default: the world, or this process alone when none is initialized)."""
+    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group)
+    p.group.agree(write_own(p, p.plan.items))
+    error, metadata = None, None
+    if p.group.rank == 0:
+        try:
+            metadata = commit.finish(p.writer.path, p.group.size, sync=p.writer.sync_files, timeout=COMMIT_TIMEOUT_S)
+        except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+            error = e
+    p.group.agree(error)
+    return metadata if metadata is not None else read_committed(os.path.normpath(p.writer.path))

@@ -1,0 +1,125 @@
+"""`plait checkpoint inspect | verify | consolidate | import-torch-dcp`.
+
+    inspect PATH                  tensors (shape, dtype, saved layout, chunks), values, size
+    verify PATH                   every chunk's crc32 and the tiling; exit 1 naming each problem
+    consolidate PATH OUT.safetensors   one full-tensor file any safetensors reader opens
+                                  (non-tensor values in its __metadata__["plait.values"], JSON)
+    import-torch-dcp DIR OUT      a torch.distributed.checkpoint directory -> plait checkpoint
+
+Each reads through the same checked path as load (storage.FileSystemReader), one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import sys
+
+import torch
+
+from plait.checkpoint import commit
+from plait.checkpoint.metadata import Metadata, dtype_from_name
+from plait.checkpoint.safetensors_io import ChunkError, read_chunk
+from plait.checkpoint.storage import FileSystemReader
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def inspect(path: str) -> str:
+    md = FileSystemReader(path).read_metadata()
+    total = sum(t.nbytes for t in md.tensors.values())
+    lines = [f"checkpoint {path}: {len(md.tensors)} tensors, {len(md.values)} values, {_mib(total)}, "
+             f"saved by {md.world_size} rank(s) into {len(md.files)} file(s)"]
+    for fqn, t in md.tensors.items():
+        lay = t.layout
+        where = (f"mesh {tuple(lay['mesh_shape'])} {tuple(lay.get('mesh_dim_names') or ())} "
+                 f"[{', '.join(lay['placements'])}]" if lay.get("placements") else lay.get("from", "plain"))
+        lines.append(f"  {fqn:<40} {t.dtype:<9} {str(tuple(t.shape)):<16} {where}, {len(t.chunks)} chunk(s)")
+    for fqn, v in md.values.items():
+        lines.append(f"  {fqn:<40} value {json.dumps(v)[:60]}")
+    return "\n".join(lines)
+
+
+def full_tensor(reader: FileSystemReader, md: Metadata, fqn: str) -> torch.Tensor:
+    t = md.tensors[fqn]
+    dtype = dtype_from_name(t.dtype)
+    out = torch.empty(t.shape, dtype=dtype)
+    for c in t.chunks:
+        src = read_chunk(os.path.join(reader.path, c.file), c, fqn=fqn).view(dtype).view(c.sizes)
+        dst = out
+        for d, (o, n) in enumerate(zip(c.offsets, c.sizes)):
+            dst = dst.narrow(d, o, n)
+        dst.copy_(src)
+    return out
+
+
+def verify(path: str) -> list[str]:
+    """Every problem found (empty: the checkpoint is complete and intact)."""
+    problem = commit.status(path)
+    if problem is not None:
+        return [problem]
+    try:
+        md = FileSystemReader(path).read_metadata()
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    for fqn, t in md.tensors.items():
+        covered = sum(math.prod(c.sizes) for c in t.chunks)
+        if covered != math.prod(t.shape):
+            problems.append(f"tensor {fqn!r}: chunks cover {covered} of {math.prod(t.shape)} elements")
+        for c in t.chunks:
+            try:
+                read_chunk(os.path.join(path, c.file), c, fqn=fqn)
+            except ChunkError as e:
+                problems.append(str(e))
+    return problems
+
+
+def consolidate(path: str, out: str) -> None:
+    from safetensors.torch import save_file
+
+    reader = FileSystemReader(path)
+    md = reader.read_metadata()
+    tensors = {fqn: full_tensor(reader, md, fqn) for fqn in md.tensors}
+    save_file(tensors, out, metadata={"format": "pt", "plait.values": json.dumps(md.values)})
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait checkpoint", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("inspect", help="tensors, shapes, dtypes, saved layout, size").add_argument("path")
+    sub.add_parser("verify", help="check every checksum; non-zero exit on a problem").add_argument("path")
+    c = sub.add_parser("consolidate", help="write one full-state safetensors file")
+    c.add_argument("path")
+    c.add_argument("out")
+    i = sub.add_parser("import-torch-dcp", help="convert a torch.distributed.checkpoint directory")
+    i.add_argument("dir")
+    i.add_argument("out")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            print(inspect(args.path))
+        elif args.cmd == "verify":
+            problems = verify(args.path)
+            for p in problems:
+                print(f"FAIL {p}", file=sys.stderr)
+            if problems:
+                return 1
+            print(f"OK {args.path}: every chunk's checksum matches")
+        elif args.cmd == "consolidate":
+            consolidate(args.path, args.out)
+            print(f"wrote {args.out}")
+        else:
+            from plait.checkpoint.dcp_import import import_torch_dcp
+
+            n = import_torch_dcp(args.dir, args.out)
+            print(f"converted {args.dir} -> {args.out}: {n['tensors']} tensors, {n['values']} values")
+    except (ValueError, OSError, pickle.UnpicklingError) as e:
+        print(f"plait checkpoint {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    return 0

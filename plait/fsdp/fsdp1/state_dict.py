@@ -1,0 +1,342 @@
+"""FullyShardedDataParallel's state dicts, optimizer state dicts and summon_full_params.
+
+    model.state_dict() under FSDP.state_dict_type(model, T, config):
+        every unit's post-hook: `{p}_fsdp_wrapped_module.x` -> `{p}x`, then its values by T:
+        FULL_STATE_DICT     DTensor -> full_tensor() (an all-gather per parameter, on every
+                            rank, in the dict's order); offload_to_cpu -> CPU; rank0_only ->
+                            ranks > 0 keep nothing; buffers back in their own dtype
+        SHARDED_STATE_DICT  the engine's Shard(0) DTensors, under the original FQNs (what
+                            plait.checkpoint saves and loads, resharding as needed)
+        LOCAL_STATE_DICT    each DTensor's local shard, a plain tensor
+    model.load_state_dict(sd): each unit's pre-hook adds its prefix back and turns a full
+        tensor into this rank's chunk (or a local shard into a DTensor) of its parameter,
+        so the module's own loading copies shard into shard.
+    FSDP.optim_state_dict(model, optim): optim.state_dict() keyed by parameter FQN, values
+        converted as the state dict's; optim_state_dict_to_load: the way back.
+
+The default, as torch's, is FULL_STATE_DICT with FullStateDictConfig() (every rank gets
+the full tensors). Every rank must call state_dict()/optim_state_dict() together: FULL
+gathers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.fsdp.fsdp1.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from plait.tensor import DTensor
+from plait.tensor.placement import chunk_offset
+
+_PREFIX = "_fsdp_wrapped_module."
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _clean(name: str) -> str:
+    return name.replace(_PREFIX, "").replace(_AC_PREFIX, "")
+
+_CONFIGS = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+def install(unit: nn.Module) -> None:
+    unit._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                                                  FullOptimStateDictConfig())
+    unit._register_state_dict_hook(_post_state_dict)
+    unit.register_load_state_dict_pre_hook(_pre_load_state_dict)
+
+
+def _units(module: nn.Module) -> list[nn.Module]:
+    from plait.fsdp.fsdp1.wrapper import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.fsdp_modules(module)
+
+
+def _rename(state_dict: dict[str, Any], old: str, new: str) -> None:
+    """Keys starting with `old` -> `new` + rest, in place and in order; keys that already
+    start with `new` (when `new` extends `old`) stay."""
+    items = list(state_dict.items())
+    state_dict.clear()
+    for key, value in items:
+        if key.startswith(old) and not (new.startswith(old) and key.startswith(new)):
+            key = new + key[len(old):]
+        state_dict[key] = value
+
+
+# -- state_dict ----------------------------------------------------------------------------
+
+
+def _post_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> dict[str, Any]:
+    _rename(state_dict, prefix + _PREFIX, prefix)
+    settings = unit._state_dict_settings
+    kind, config = settings.state_dict_type, settings.state_dict_config
+    orig_dtypes = _buffer_dtypes_by_key(unit, prefix)
+    drop = kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) \
+        and comm.global_rank() != 0
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        value = state_dict[key]
+        if isinstance(value, DTensor):
+            if kind is StateDictType.FULL_STATE_DICT:
+                value = value.full_tensor()
+            elif kind is StateDictType.LOCAL_STATE_DICT:
+                value = value._local_tensor
+        elif key in orig_dtypes:
+            value = value.to(orig_dtypes[key])
+        if config.offload_to_cpu and not isinstance(value, DTensor) and isinstance(value, torch.Tensor):
+            value = value.cpu()
+        if drop:
+            del state_dict[key]
+        else:
+            state_dict[key] = value
+    return state_dict
+
+
+def _buffer_dtypes_by_key(unit: nn.Module, prefix: str) -> dict[str, torch.dtype]:
+    if not unit._buffer_dtypes:
+        return {}
+    out = {}
+    for path, m in nn.Module.named_modules(unit):
+        for key in m._buffers:
+            dtype = unit._buffer_dtypes.get((id(m), key))
+            if dtype is not None:
+                out[prefix + _clean(path + "." if path else "") + key] = dtype
+    return out
+
+
+def _pre_load_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Add the wrapper's prefix back; give each of this unit's parameters a DTensor shard."""
+    _rename(state_dict, prefix, prefix + _PREFIX)
+    group = unit._plait_fsdp_state.group
+    if group is None:
+        return
+    paths = {id(m): path for path, m in nn.Module.named_modules(unit)}
+    for fp in group.params:
+        for module, name in fp.sites:
+            # inner activation-checkpoint wrappers add their prefix when loading reaches them
+            key = prefix + (paths[id(module)] + "." if paths[id(module)] else "").replace(_AC_PREFIX, "") + name
+            value = state_dict.get(key)
+            if value is not None and not isinstance(value, DTensor):
+                state_dict[key] = _to_shard(value, fp, key)
+
+
+def _to_shard(value: torch.Tensor, fp: Any, key: str) -> DTensor:
+    """A full tensor (FULL) or this rank's shard (LOCAL) -> a DTensor laid out as fp's."""
+    spec = fp.sharded._spec
+    local_shape = tuple(fp.local.shape)
+    if tuple(value.shape) == tuple(fp.shape):
+        mesh = spec.mesh
+        axis = mesh.ndim - 1
+        rows, start = chunk_offset(fp.rows, mesh.size(axis), mesh.get_local_rank(axis))
+        value = value.narrow(fp.dim, start, rows)
+    elif tuple(value.shape) != local_shape:
+        raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}; expected the full "
+                         f"{tuple(fp.shape)} (FULL_STATE_DICT) or this rank's shard {local_shape} "
+                         "(LOCAL_STATE_DICT)")
+    local = value.detach().to(device=fp.local.device, dtype=fp.local.dtype).contiguous()
+    return DTensor(local, spec, requires_grad=False)
+
+
+# -- state_dict_type -----------------------------------------------------------------------
+
+
+def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config: StateDictConfig | None = None,
+                        optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
+    """Set the state-dict type (and configs) of every FSDP unit under `module`; returns the
+    previous settings."""
+    if not isinstance(state_dict_type, StateDictType):
+        raise TypeError(f"state_dict_type must be a StateDictType, got {state_dict_type!r}")
+    config_cls, optim_cls = _CONFIGS[state_dict_type]
+    config = state_dict_config if state_dict_config is not None else config_cls()
+    optim_config = optim_state_dict_config if optim_state_dict_config is not None else optim_cls()
+    for given, cls, what in ((config, config_cls, "state_dict_config"),
+                             (optim_config, optim_cls, "optim_state_dict_config")):
+        if type(given) is not cls:
+            raise ValueError(f"{state_dict_type.name} takes a {what} of type {cls.__name__}, got "
+                             f"{type(given).__name__}")
+    units = _units(module)
+    if not units:
+        raise ValueError(f"{type(module).__name__} holds no FullyShardedDataParallel unit")
+    previous = units[0]._state_dict_settings
+    for u in units:
+        u._state_dict_settings = StateDictSettings(state_dict_type, config, optim_config)
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    units = _units(module)
+    if not units:
+        raise ValueError(f"{type(module).__name__} holds no FullyShardedDataParallel unit")
+    settings = {(s.state_dict_type, repr(s.state_dict_config), repr(s.optim_state_dict_config))
+                for s in (u._state_dict_settings for u in units)}
+    if len(settings) > 1:
+        raise ValueError(f"the FSDP units of {type(module).__name__} have different state-dict settings "
+                         f"{sorted(settings)}; set them together with FSDP.set_state_dict_type(model, ...)")
+    return units[0]._state_dict_settings
+
+
+@contextlib.contextmanager
+def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                    state_dict_config: StateDictConfig | None = None,
+                    optim_state_dict_config: OptimStateDictConfig | None = None) -> Iterator[None]:
+    """Within, every unit under `module` uses this state-dict type; restored after."""
+    previous = {id(u): u._state_dict_settings for u in _units(module)}
+    set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        for u in _units(module):
+            u._state_dict_settings = previous.get(id(u), u._state_dict_settings)
+
+
+# -- optimizer state -----------------------------------------------------------------------
+
+
+def _fqns(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _optim_params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for g in optim.param_groups for p in g["params"]]
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                     optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
+    """optim's state keyed by parameter FQN (the model's names), values per the model's
+    state-dict type: FULL gathers (rank0_only: ranks > 0 get {}), SHARDED keeps DTensors."""
+    settings = get_state_dict_type(model)
+    kind, config = settings.state_dict_type, settings.optim_state_dict_config
+    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    fqn_of = _fqns(model)
+    params = _optim_params(optim)
+    names = []
+    for p in params:
+        if id(p) not in fqn_of:
+            raise ValueError(f"optim steps on a parameter of shape {tuple(p.shape)} that is not one of "
+                             f"{type(model).__name__}'s; build the optimizer on model.parameters()")
+        names.append(fqn_of[id(p)])
+    state = {}
+    for index, fqn in enumerate(names):
+        if index not in osd["state"]:
+            continue
+        entry = {}
+        for k in sorted(osd["state"][index]):  # the same order on every rank: FULL gathers
+            v = osd["state"][index][k]
+            if isinstance(v, DTensor):
+                v = v.full_tensor() if kind is StateDictType.FULL_STATE_DICT else \
+                    v._local_tensor if kind is StateDictType.LOCAL_STATE_DICT else v
+            if config.offload_to_cpu and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                v = v.cpu()
+            entry[k] = v
+        state[fqn] = entry
+    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0:
+        return {}
+    groups = []
+    pos = 0
+    for g in osd["param_groups"]:
+        groups.append({**g, "params": names[pos:pos + len(g["params"])]})
+        pos += len(g["params"])
+    return {"state": state, "param_groups": groups}
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                             is_named_optimizer: bool = False, load_directly: bool = False,
+                             group: Any = None) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict (any of the three types) -> what
+    optim.load_state_dict takes: keyed by position, each tensor this rank's shard."""
+    fqn_of = _fqns(model)
+    params = _optim_params(optim)
+    index_of = {fqn_of[id(p)]: i for i, p in enumerate(params)}
+    from plait.fsdp.fully_shard import _states
+
+    fsdp_params = {id(fp.sharded): fp for s in _states(model, True) if s.group for fp in s.group.params}
+    missing = [fqn for fqn in optim_state_dict["state"] if fqn not in index_of]
+    if missing:
+        raise ValueError(f"optimizer state for {missing[:4]}, which {type(model).__name__}'s optimizer does not "
+                         f"step; its parameters are {sorted(index_of)[:4]}...")
+    state = {}
+    for fqn, entry in optim_state_dict["state"].items():
+        i = index_of[fqn]
+        fp = fsdp_params.get(id(params[i]))
+        state[i] = {k: _to_shard(v, fp, f"{fqn}.{k}") if fp is not None and isinstance(v, torch.Tensor)
+                    and not isinstance(v, DTensor) and v.dim() > 0 else v for k, v in entry.items()}
+    groups = [{**g, "params": [index_of[f] for f in g["params"]]} for g in optim_state_dict["param_groups"]]
+    out = {"state": state, "param_groups": groups}
+    if load_directly:
+        optim.load_state_dict(out)
+    return out
+
+
+# -- summon_full_params --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+    """Within, every unit's parameters are whole (in their own dtype) on the modules; on
+    exit what was written to them is kept (writeback) and they are sharded again."""
+    from plait.fsdp.fully_shard import _states
+
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params(rank0_only=True, writeback=True) is not supported (as in torch): "
+                         "ranks > 0 hold no full parameters to write back; pass writeback=False")
+    states = list(_states(module, recurse))
+    if not states:
+        raise ValueError(f"{type(module).__name__} holds no FSDP unit to summon parameters of")
+    keep = not rank0_only or comm.global_rank() == 0
+    full: list[tuple[Any, nn.Parameter]] = []
+    for s in states:
+        if s.training_state.name != "IDLE":
+            raise RuntimeError(f"summon_full_params cannot run inside forward or backward ({s.name} is in "
+                               f"{s.training_state.name})")
+        if s.group is None:
+            continue
+        s.group.reshard()
+        for fp in s.group.params:
+            with torch.no_grad():
+                whole = fp.sharded.detach().full_tensor()
+                grad = fp.sharded.grad.full_tensor() if with_grads and fp.sharded.grad is not None else None
+            if offload_to_cpu:
+                whole = whole.cpu()
+            p = nn.Parameter(whole, requires_grad=fp.requires_grad)
+            p.grad = grad
+            if keep:
+                fp.register(p)
+            full.append((fp, p))
+    try:
+        yield
+    finally:
+        for fp, p in full:
+            if writeback and keep:
+                rows, start = chunk_offset(fp.rows, fp.world, _shard_rank(fp))
+                with torch.no_grad():
+                    fp.local.copy_(p.detach().narrow(fp.dim, start, rows))
+            fp.register(fp.sharded)
+
+
+def _shard_rank(fp: Any) -> int:
+    mesh = fp.sharded._spec.mesh
+    return mesh.get_local_rank(mesh.ndim - 1)
+
+
+__all__ = ["get_state_dict_type", "install", "optim_state_dict", "optim_state_dict_to_load",
+           "set_state_dict_type", "state_dict_type", "summon_full_params"]
