@@ -29,6 +29,13 @@ from plait.data.text import TokenWindows, build_corpus
 from plait.models.llama import CONFIGS, ModelArgs, Transformer
 from plait.tensor import DTensor, Replicate
 from plait.train import metrics as M
+from plait.train.checkpointing import (
+    Checkpointer,
+    TrainState,
+    export_safetensors,
+    latest_complete,
+    step_dir,
+)
 from plait.train.config import JobConfig
 from plait.train.data import BatchStream, val_batches
 from plait.train.layout import ParallelDims, build_meshes, resolve
@@ -181,7 +188,16 @@ def train(config: JobConfig) -> TrainResult:
                            dp_rank=dp_rank, dp_size=dims.dp) if config.metrics.val_batches else []
 
     result = TrainResult()
-    start = 0  # TODO(ckio/ckstate): resume from the latest checkpoint here
+    ck = config.checkpoint
+    folder = Path(ck.folder or run_dir / "checkpoints")
+    state = TrainState(parts.modules, optimizers, schedulers, stream)
+    checkpointer = Checkpointer(folder, async_mode=ck.async_mode, keep_latest_k=ck.keep_latest_k,
+                                is_rank0=rank == 0) if ck.enabled else None
+    start = 0
+    if checkpointer is not None and ck.resume:
+        found = latest_complete(folder)
+        if found is not None:
+            start = checkpointer.load(state, found[1])
     result.start_step = start
     device_type = meshes.world.device_type
     fpt = M.flops_per_token(args, t.seq_len)
@@ -238,7 +254,14 @@ def train(config: JobConfig) -> TrainResult:
                               step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val)
         result.losses.append(loss)
         log.log(record)
+        if checkpointer is not None and ck.interval and step % ck.interval == 0 and step != t.steps:
+            checkpointer.save(state, step)
     wall = time.perf_counter() - wall0
+    if checkpointer is not None:
+        last = checkpointer.save(state, t.steps, final=True) if start < t.steps else step_dir(folder, start)
+        if ck.export_safetensors and rank == 0:
+            export_safetensors(last, run_dir / "model.safetensors")
+        comm.barrier(group=comm.world_group())
     result.records = log.records
     result.graph_breaks = _graph_breaks() - graph_breaks_before
     log.close()
