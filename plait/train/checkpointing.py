@@ -5,6 +5,7 @@ and at the end, resume from the latest complete one — also on another layout o
     state: "model"  canonical FQN -> tensor/DTensor, merged over this rank's pipeline parts
            "optim"  the flat FQN-keyed optimizer state (flatten_optimizer_state_dict), merged alike
            "train"  step, the data stream's global position, which the new layout deals out again
+           "config" the run's JobConfig as a dict (for `plait generate`; a resumed run keeps its own)
 
 FQNs do not depend on the layout (stages keep `layers.{i}`, TP and FSDP keep names), so every
 rank asks, on load, for exactly the keys its current parts hold, in their current placements,
@@ -37,8 +38,10 @@ def _owner_fqn(key: str) -> str:
 class TrainState:
     """The run as a `Stateful` for plait.checkpoint.save / load."""
 
-    def __init__(self, modules: list[nn.Module], optimizers: list, schedulers: list, stream: Any) -> None:
+    def __init__(self, modules: list[nn.Module], optimizers: list, schedulers: list, stream: Any,
+                 config: dict | None = None) -> None:
         self.modules, self.optimizers, self.schedulers, self.stream = modules, optimizers, schedulers, stream
+        self.config = config or {}  # saved for `plait generate` (JSON); not loaded back
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -48,7 +51,8 @@ class TrainState:
             m, o = get_state_dict(module, opt, options=OPTIONS)
             model.update(m)
             optim.update(o)
-        return {"model": model, "optim": optim, "train": {"step": self.step, "data": self.stream.state_dict()}}
+        return {"model": model, "optim": optim, "train": {"step": self.step, "data": self.stream.state_dict()},
+                "config": self.config}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for module, opt in zip(self.modules, self.optimizers):

@@ -190,7 +190,7 @@ def train(config: JobConfig) -> TrainResult:
     result = TrainResult()
     ck = config.checkpoint
     folder = Path(ck.folder or run_dir / "checkpoints")
-    state = TrainState(parts.modules, optimizers, schedulers, stream)
+    state = TrainState(parts.modules, optimizers, schedulers, stream, config.to_dict())
     checkpointer = Checkpointer(folder, async_mode=ck.async_mode, keep_latest_k=ck.keep_latest_k,
                                 is_rank0=rank == 0) if ck.enabled else None
     start = 0
