@@ -57,6 +57,8 @@ class ActivationWrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == "_checkpoint_wrapped_module":  # not set yet (or a copy being built): do not recurse
+                raise
             return getattr(self._checkpoint_wrapped_module, name)
 
     def __getitem__(self, key: int) -> Any:  # a wrapped nn.Sequential still indexes

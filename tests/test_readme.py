@@ -30,7 +30,8 @@ def readme_jobs() -> dict[str, tuple[str, int]]:
         "mesh": ("from plait import comm\ncomm.init_process_group()\n" + _find(blocks, "init_device_mesh(\"cpu\", (2, 2, 2)"), 8),
         "ddp": (_find(blocks, "from plait.ddp import"), 2),
         "pipeline": (_find(blocks, "Schedule1F1B"), 2),
-        "fsdp": (_find(blocks, "from plait.fsdp import"), 2),
+        "fsdp": (_find(blocks, "from plait.fsdp import fully_shard"), 2),
+        "fsdp1": (_find(blocks, "FullyShardedDataParallel as FSDP"), 2),
         "tp": (_find(blocks, 'parallelize_module(model, mesh["tp"], tp_plan())'), 4),
         "fsdp_tp": (_find(blocks, 'fully_shard(block, mesh=mesh["dp"])'), 4),
     }

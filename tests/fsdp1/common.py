@@ -18,7 +18,7 @@ from tests.fsdp.common import Block
 
 POLICIES = {
     "transformer": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-    # Block(13, 11) has 154 parameters, Block(11, 13) 156, the whole MLP 458: each block wraps,
+    # Block(13, 11) has 154 parameters, Block(11, 13) 156, the whole MLP 484: each block wraps,
     # the blocks' ModuleList never (excluded), the root takes inp and head
     "size": functools.partial(size_based_auto_wrap_policy, min_num_params=150),
     "module": ModuleWrapPolicy({Block}),

@@ -206,3 +206,45 @@ def test_param_init_fn_from_meta():
                                          "Linear"]), called
         assert_full_params_close(model, ref, atol=0, rtol=0, what=f"meta init, sync={sync}")
     train_parity("mlp", model, ref, steps=3)
+
+
+@distributed([2])
+def test_activation_checkpointing_inside_units():
+    """FSDP1 scripts apply activation checkpointing after wrapping: each unit's block is
+    then a CheckpointWrapper; names, state dicts and numbers stay the plain model's."""
+    from plait.activation_checkpoint import CheckpointWrapper, apply_activation_checkpointing
+    from tests.fsdp.common import Block
+
+    model, ref = wrap(build("mlp")), build("mlp")
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    assert all(isinstance(u.module, CheckpointWrapper) for u in FSDP.fsdp_modules(model)[1:])
+    assert list(model.state_dict()) == list(ref.state_dict())
+    train_parity("mlp", model, ref, steps=3)
+
+
+class _BNBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+@distributed([2])
+def test_batchnorm_units_keep_full_precision():
+    """MixedPrecision._module_classes_to_ignore (torch's default: BatchNorm): with a policy,
+    each BatchNorm becomes its own unit with mixed_precision=None, gathered in float32."""
+    from plait.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(_BNBlock(), _BNBlock(), torch.nn.Linear(6, 2)),
+                 auto_wrap_policy=ModuleWrapPolicy({_BNBlock}),
+                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True))
+    assert [(type(u.module).__name__, u.mixed_precision is None) for u in FSDP.fsdp_modules(model)] == [
+        ("Sequential", False), ("_BNBlock", False), ("BatchNorm1d", True), ("_BNBlock", False),
+        ("BatchNorm1d", True)]
+    bn_units = [u for u in FSDP.fsdp_modules(model) if u.mixed_precision is None]
+    assert all(u._state.group.param_dtype == torch.float32 for u in bn_units)
+    model(torch.randn(4, 6)).float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

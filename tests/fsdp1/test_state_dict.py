@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
+from plait.debug import CommDebugMode
 from plait.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -119,7 +120,10 @@ def test_optim_state_dict_round_trip(kind):
     with FSDP.state_dict_type(model, kind, *configs):
         # cloned, as saving would: the values (the step counts at least) alias opt's state
         osd = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, FSDP.optim_state_dict(model, opt))
-        msd = model.state_dict()
+        with CommDebugMode() as mode:
+            msd = model.state_dict()
+    # FULL: one all-gather per unit (the engine's unshard), not one per parameter
+    assert mode.get_comm_counts().get("all_gather", 0) == (3 if kind is FULL else 0)
     names = [k for k, _ in model.named_parameters()]
     assert list(osd["state"]) == names and osd["param_groups"][0]["params"] == names
     for fqn, p in model.named_parameters():

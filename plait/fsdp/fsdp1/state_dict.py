@@ -92,11 +92,12 @@ def _post_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *
     orig_dtypes = _buffer_dtypes_by_key(unit, prefix)
     drop = kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) \
         and comm.global_rank() != 0
+    gathered = _gather_unit(unit, prefix) if kind is StateDictType.FULL_STATE_DICT else {}
     for key in [k for k in state_dict if k.startswith(prefix)]:
         value = state_dict[key]
         if isinstance(value, DTensor):
             if kind is StateDictType.FULL_STATE_DICT:
-                value = value.full_tensor()
+                value = gathered[key] if key in gathered else value.full_tensor()
             elif kind is StateDictType.LOCAL_STATE_DICT:
                 value = value._local_tensor
         elif key in orig_dtypes:
@@ -108,6 +109,27 @@ def _post_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *
         else:
             state_dict[key] = value
     return state_dict
+
+
+def _gather_unit(unit: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The unit's full parameters by state-dict key, from one all-gather of its group (the
+    engine's unshard), where the group gathers in the parameters' own dtype; {} otherwise
+    (mixed precision: each DTensor is gathered on its own, in its dtype)."""
+    group = unit._plait_fsdp_state.group
+    if group is None or any(fp.orig_dtype != group.param_dtype for fp in group.params):
+        return {}
+    was_unsharded = group.is_unsharded
+    group.unshard()
+    paths = {id(m): path for path, m in nn.Module.named_modules(unit)}
+    out = {}
+    with torch.no_grad():
+        for fp in group.params:
+            full = fp.unsharded.detach().clone()  # the flat buffer is freed on reshard
+            for module, name in fp.sites:
+                out[prefix + _clean(paths[id(module)] + "." if paths[id(module)] else "") + name] = full
+    if not was_unsharded:
+        group.reshard()
+    return out
 
 
 def _buffer_dtypes_by_key(unit: nn.Module, prefix: str) -> dict[str, torch.dtype]:

@@ -172,6 +172,8 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == "_fsdp_wrapped_module":  # not set yet (or a copy being built): do not recurse
+                raise
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: int) -> Any:
@@ -304,7 +306,10 @@ def _auto_wrap(module: nn.Module, policy: Any, options: dict, ignored_mods: set[
                     and isinstance(m, tuple(mp._module_classes_to_ignore))]
     if not any(p is not None for m, _ in targets for p in m.parameters()):
         numel = sum(p.numel() for p in module.parameters())
-        raise ValueError(f"{where}: auto_wrap_policy {getattr(policy, 'func', policy)!r} wraps no submodule "
+        fn = getattr(policy, "func", policy)
+        shown = getattr(fn, "__name__", type(fn).__name__) + (f"({policy.keywords})" if hasattr(policy, "keywords")
+                                                              else "")
+        raise ValueError(f"{where}: auto_wrap_policy {shown} wraps no submodule "
                          f"with parameters of {type(module).__name__} ({numel} parameters); check its classes "
                          "or min_num_params, or pass auto_wrap_policy=None to shard the model as one unit")
 
