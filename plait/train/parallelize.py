@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from plait.models.llama import Transformer, parallelize_llama
 from plait.tensor import DTensor
@@ -57,33 +56,23 @@ def apply_activation_checkpointing(module: Transformer, *, mode: str, every: int
     """Recompute blocks' activations in backward: mode "full" (every block) or "every" (blocks
     whose layer index is a multiple of `every`); returns the number of blocks wrapped.
 
-    The block's forward is replaced on the instance, so FQNs do not change and a hook that
-    runs around the block's __call__ (FSDP's gather) still runs outside the recomputation."""
+    Each chosen block becomes plait.activation_checkpoint.checkpoint_wrapper(block) in place;
+    its state dict and named_parameters() drop the wrapper's prefix, so FQNs (and checkpoints)
+    do not change. fully_shard then wraps the wrapper, so its gather runs before the recompute."""
     if mode == "none":
         return 0
     if mode not in ("full", "every"):
         raise ValueError(f"activation_checkpoint.mode must be none, full or every, got {mode!r}")
     if mode == "every" and every < 1:
         raise ValueError(f"activation_checkpoint.every must be >= 1, got {every}")
+    from plait.activation_checkpoint import checkpoint_wrapper
+
     wrapped = 0
-    for name, block in module.layers.items():
+    for name in list(module.layers):
         if mode == "full" or int(name) % every == 0:
-            _checkpoint_forward(block)
+            module.layers[name] = checkpoint_wrapper(module.layers[name])
             wrapped += 1
     return wrapped
-
-
-def _checkpoint_forward(block: nn.Module) -> None:
-    # TODO(fsdp1): switch to plait.activation_checkpoint.checkpoint_wrapper once merged; it adds
-    # the `_checkpoint_wrapped_module.` FQN prefix torch strips in its state dict hooks
-    from torch.utils.checkpoint import checkpoint
-
-    inner = block.forward
-
-    def forward(*args: object, **kwargs: object) -> torch.Tensor:
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    block.forward = forward
 
 
 def parallelize_stage(module: Transformer, dims: ParallelDims, meshes: TrainMeshes, *,

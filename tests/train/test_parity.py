@@ -53,7 +53,8 @@ def test_3d_dp_shard_x_tp_x_pp_on_8_ranks():
     ["--parallel.dp_shard", "2", "--parallel.tp", "2"],                          # FSDP x TP (+SP, loss parallel)
     ["--parallel.dp_shard", "2", "--parallel.pp", "2"],                          # FSDP x PP (1F1B)
     ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.dp_shard", "1"],    # TP x PP
-    ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],                # HSDP
-], ids=["fsdp_x_tp", "fsdp_x_pp", "tp_x_pp", "hsdp"])
+    ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",                 # HSDP, and
+     "--activation_checkpoint.mode", "full"],                                    # every block recomputed
+], ids=["fsdp_x_tp", "fsdp_x_pp", "tp_x_pp", "hsdp_ac"])
 def test_2d_layouts_on_4_ranks(layout):
     check(4, layout)
