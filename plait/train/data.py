@@ -1,20 +1,24 @@
 """The trainer's token batches: one global sample stream, dealt out to the data-parallel ranks.
 
-    TokenWindows (train split) -> per epoch base = randperm(n, seed + epoch)
-    step: rest = base[consumed:], rank r of R takes rest[r::R][:B/R]; consumed += B (global B)
+    TokenWindows (train split) -> plait.data.StatefulDistributedSampler (base = randperm(n,
+    seed + epoch); rank r of R draws rest[r::R] of rest = base[consumed:]) -> B/R indices per
+    step on each rank, so consumed += B (the global batch) per step -> stacked windows
 
-The state is `(epoch, consumed)`, counted in the global stream, so a run resumed with another
-data-parallel degree R' deals the remaining samples R' ways: no sample repeated, none skipped.
-This is the rule of `plait.data.StatefulDistributedSampler` (its `rest[r::R]`, drop_last);
-the union of the ranks' batches of one step is base[consumed : consumed + B], exactly the
-batch a one-process run of the same config takes, which is what parity tests compare.
-An epoch's remainder shorter than a global batch is dropped.
+The state is the sampler's `(epoch, seed, consumed)`, counted in the global stream, so a run
+resumed with another data-parallel degree R' deals the remaining samples R' ways: no sample
+repeated, none skipped. The union of the ranks' batches of one step is
+base[consumed : consumed + B], exactly the batch a one-process run of the same config takes,
+which is what the parity tests compare. An epoch's remainder shorter than a global batch is
+dropped (the next epoch starts with a new permutation).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
+from plait.data import StatefulDistributedSampler
 from plait.data.text import TokenWindows
 
 
@@ -26,24 +30,20 @@ class BatchStream:
         if len(dataset) < global_batch:
             raise ValueError(f"the train split has {len(dataset)} windows, fewer than one global batch "
                              f"({global_batch}); use more data or a smaller batch_size")
-        self.dataset, self.global_batch, self.seed = dataset, global_batch, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.epoch, self.consumed = 0, 0
-        self._base: torch.Tensor | None = None
-
-    def _order(self) -> torch.Tensor:
-        if self._base is None:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            self._base = torch.randperm(len(self.dataset), generator=g)
-        return self._base
+        self.dataset, self.global_batch = dataset, global_batch
+        self.sampler = StatefulDistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
+                                                  seed=seed, drop_last=True)
+        self._it: Iterator[int] | None = None
 
     def next_indices(self) -> torch.Tensor:
         """This rank's sample indices of the next step: (global_batch / dp,)."""
-        if self.consumed + self.global_batch > len(self.dataset):
-            self.epoch, self.consumed, self._base = self.epoch + 1, 0, None
-        rest = self._order()[self.consumed : self.consumed + self.global_batch]
-        self.consumed += self.global_batch
-        return rest[self.dp_rank :: self.dp_size]
+        state = self.sampler.state_dict()
+        if state["consumed"] + self.global_batch > len(self.dataset):
+            self.sampler.set_epoch(state["epoch"] + 1)
+            self._it = None
+        if self._it is None:
+            self._it = iter(self.sampler)
+        return torch.tensor([next(self._it) for _ in range(self.global_batch // self.sampler.num_replicas)])
 
     def __next__(self) -> torch.Tensor:
         """(global_batch / dp, seq_len + 1) int64 token windows."""
@@ -52,13 +52,12 @@ class BatchStream:
     def __iter__(self) -> BatchStream:
         return self
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"the checkpoint's data stream was seeded {state['seed']}, this run {self.seed}")
-        self.epoch, self.consumed, self._base = int(state["epoch"]), int(state["consumed"]), None
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self._it = None
 
 
 def val_batches(dataset: TokenWindows, *, global_batch: int, count: int, dp_rank: int,

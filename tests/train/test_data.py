@@ -57,9 +57,10 @@ def _steps(ranks: list[BatchStream], n: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("before, after", [(4, 2), (2, 4), (4, 1)])
 def test_a_stream_resumed_with_another_dp_degree_repeats_and_skips_nothing(before, after):
-    """Steps of a 4-way stream, its state saved after 7 steps (crossing into epoch 1), resumed
-    2-way: the union of each step's batches is the uninterrupted 1-rank stream's batch."""
-    data = TokenWindows(torch.arange(8 * 33 * 5 + 1), seq_len=8, split="train", val_fraction=0)
+    """Steps of a `before`-way stream (44 windows, batch 8: 5 steps an epoch, 4 windows dropped),
+    its state saved after 7 steps (in epoch 1), resumed `after`-way: the union of each step's
+    batches is the uninterrupted 1-rank stream's batch, through plait.data's sampler."""
+    data = TokenWindows(torch.arange(44 * 8 + 1), seq_len=8, split="train", val_fraction=0)
     n, batch = len(data), 8
     one = BatchStream(data, global_batch=batch, dp_rank=0, dp_size=1, seed=3)
     want = [sorted(one.next_indices().tolist()) for _ in range(12)]
@@ -67,6 +68,7 @@ def test_a_stream_resumed_with_another_dp_degree_repeats_and_skips_nothing(befor
     got = _steps(ranks, 7)
     state = ranks[0].state_dict()
     assert all(r.state_dict() == state for r in ranks)  # global, the same on every rank
+    assert state["epoch"] == 1 and state["consumed"] == 16
     resumed = [BatchStream(data, global_batch=batch, dp_rank=r, dp_size=after, seed=3) for r in range(after)]
     for r in resumed:
         r.load_state_dict(state)
