@@ -163,8 +163,16 @@ def train(config: JobConfig) -> TrainResult:
     torch.manual_seed(config.job.seed)
     run_dir = Path(config.job.dir)
     d = config.data
-    tokens, _ = build_corpus(path=d.path, glob=d.glob, max_bytes=d.max_bytes, tokenizer=d.tokenizer,
-                             vocab_size=d.vocab_size, cache_dir=run_dir / "tokenizer")
+    corpus = dict(path=d.path, glob=d.glob, max_bytes=d.max_bytes, tokenizer=d.tokenizer,
+                  vocab_size=d.vocab_size, cache_dir=run_dir / "tokenizer")
+    if d.tokenizer == "bpe" and world > 1:  # rank 0 trains the BPE once; the others read its cache
+        if rank == 0:
+            tokens, _ = build_corpus(**corpus)
+        comm.barrier(group=comm.world_group())
+        if rank != 0:
+            tokens, _ = build_corpus(**corpus)
+    else:
+        tokens, _ = build_corpus(**corpus)
     t = config.training
     train_set = TokenWindows(tokens, seq_len=t.seq_len, split="train", val_fraction=d.val_fraction)
     val_set = TokenWindows(tokens, seq_len=t.seq_len, split="val", val_fraction=d.val_fraction)
@@ -265,7 +273,7 @@ def train(config: JobConfig) -> TrainResult:
     result.records = log.records
     result.graph_breaks = _graph_breaks() - graph_breaks_before
     log.close()
-    result.summary = _summary(config, dims, args, result, wall, tokens_per_step)
+    result.summary = _summary(config, dims, args, result, wall, device_type)
     if rank == 0:
         log_path = Path(jsonl)
         if log_path.exists():
@@ -284,7 +292,7 @@ def _graph_breaks() -> int:
 
 
 def _summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, result: TrainResult, wall: float,
-             tokens_per_step: int) -> str:
+             device_type: str) -> str:
     recs = result.records
     if not recs:
         return "no steps run (already at training.steps)"
@@ -304,7 +312,7 @@ def _summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, result: Tra
     rows += [
         ("tokens/s", f"{mean([r.tokens_per_s for r in timed]):.0f} global, "
                      f"{mean([r.tokens_per_s_per_rank for r in timed]):.0f} per rank"),
-        ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {M.peak_flops(config.metrics.peak_flops, 'cpu'):.3g} "
+        ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {M.peak_flops(config.metrics.peak_flops, device_type):.3g} "
                 "FLOP/s per rank (metrics.peak_flops)"),
         ("peak memory", f"{max(r.peak_memory_mib for r in recs):.0f} MiB per rank (max; CPU: peak RSS)"),
     ]
