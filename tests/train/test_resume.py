@@ -1,6 +1,8 @@
 """Checkpoints: saved at step 5 on 8 ranks (dp_shard 2 x tp 2 x pp 2), resumed on 4 ranks with
-another layout (dp_shard 2 x pp 2, then tp 2 x dp_shard 2), the next steps equal the
-uninterrupted 1-rank run; the exported safetensors model holds the full tensors.
+another layout — FSDP 4 (data-parallel degree 2 -> 4, no TP, no pipeline), or tp 2 x pp 2
+(dp 2 -> 1) — the next steps equal the uninterrupted 1-rank run, so the data stream continued
+on the new dp degree without repeating or skipping a sample; the exported safetensors model
+holds the full tensors.
 
 The 8-rank run trains 10 steps saving every 5 (async) and at the end; the step-10 checkpoint is
 then removed, as if the job had died after step 5, so the 4-rank run finds step 5 as the latest
@@ -25,9 +27,9 @@ CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "5"]
 
 
 @pytest.mark.parametrize("resume_layout", [
-    ["--parallel.dp_shard", "2", "--parallel.pp", "2"],
-    ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--checkpoint.export-safetensors"],
-], ids=["fsdp_x_pp", "fsdp_x_tp"])
+    ["--parallel.dp_shard", "4", "--checkpoint.export-safetensors"],
+    ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.dp_shard", "1"],
+], ids=["fsdp4", "tp_x_pp"])
 def test_save_on_8_ranks_resume_on_4_with_another_layout(resume_layout):
     ref = reference()
     job = tempfile.mkdtemp(prefix="plait-resume-")
