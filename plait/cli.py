@@ -14,6 +14,9 @@ import sys
 # subcommand -> (module exposing main(argv), one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("plait.demo", "train a small model on N local ranks, gradients all-reduced by plait.comm"),
+    "train": ("plait.train.cli", "train the reference Llama on an N-D layout (run it under `plait run`)"),
+    "generate": ("plait.generate", "sample text from a checkpoint of `plait train`"),
+    "plot": ("plait.plot", "draw a run's metrics.jsonl (loss, throughput) to an image"),
     "run": ("plait.run", "launch a distributed job (torchrun's flags)"),
     "plan": ("plait.pipelining.plan", "check and simulate a pipeline schedule, draw its timeline"),
     "debug": ("plait.debug.cli", "analyze flight-recorder dumps of a hung job"),

@@ -1,0 +1,5 @@
+import sys
+
+from plait.train.cli import main
+
+sys.exit(main())

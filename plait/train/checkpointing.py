@@ -1,0 +1,147 @@
+"""Checkpoints of a training run through plait.checkpoint: save every N steps (async by default)
+and at the end, resume from the latest complete one — also on another layout or world size.
+
+    {folder}/step-000005/  (a plait.checkpoint directory; complete once metadata.json is committed)
+    state: "model"  canonical FQN -> tensor/DTensor, merged over this rank's pipeline parts
+           "optim"  the flat FQN-keyed optimizer state (flatten_optimizer_state_dict), merged alike
+           "train"  step, the data stream's global position, which the new layout deals out again
+           "config" the run's JobConfig as a dict (for `plait generate`; a resumed run keeps its own)
+
+FQNs do not depend on the layout (stages keep `layers.{i}`, TP and FSDP keep names), so every
+rank asks, on load, for exactly the keys its current parts hold, in their current placements,
+and plait.checkpoint reads the overlapping pieces of whatever layout wrote them. The LR
+schedulers hold no state beyond the step (their lambdas are the config's), set from "train".
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from plait import checkpoint as dcp
+from plait.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _owner_fqn(key: str) -> str:
+    """"state.layers.0.attention.wq.weight.exp_avg" -> "layers.0.attention.wq.weight"."""
+    return key.split(".", 1)[1].rsplit(".", 1)[0]
+
+
+class TrainState:
+    """The run as a `Stateful` for plait.checkpoint.save / load."""
+
+    def __init__(self, modules: list[nn.Module], optimizers: list, schedulers: list, stream: Any,
+                 config: dict | None = None) -> None:
+        self.modules, self.optimizers, self.schedulers, self.stream = modules, optimizers, schedulers, stream
+        self.config = config or {}  # saved for `plait generate` (JSON); not loaded back
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for module, opt in zip(self.modules, self.optimizers):
+            m, o = get_state_dict(module, opt, options=OPTIONS)
+            model.update(m)
+            optim.update(o)
+        return {"model": model, "optim": optim, "train": {"step": self.step, "data": self.stream.state_dict()},
+                "config": self.config}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for module, opt in zip(self.modules, self.optimizers):
+            own = {n for n, _ in module.named_parameters()}
+            mine, _ = get_state_dict(module, opt, options=OPTIONS)
+            model = {k: state["model"][k] for k in mine}
+            optim = {k: v for k, v in state["optim"].items() if _owner_fqn(k) in own or _canonical(k, own)}
+            set_state_dict(module, opt, model_state_dict=model, optim_state_dict=optim, options=OPTIONS)
+        self.step = int(state["train"]["step"])
+        self.stream.load_state_dict(state["train"]["data"])
+        for sched, opt in zip(self.schedulers, self.optimizers):
+            sched.last_epoch = self.step
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+
+def _canonical(key: str, own: set[str]) -> bool:
+    # named_parameters of an FSDP-wrapped or compiled module may carry wrapper prefixes that the
+    # state dict drops; compare on the canonical name too
+    fqn = _owner_fqn(key)
+    return any(n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "") == fqn for n in own)
+
+
+def step_dir(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"step-{step:06d}"
+
+
+def latest_complete(folder: str | Path) -> tuple[int, Path] | None:
+    """The highest step whose checkpoint is complete (plait.checkpoint's commit), or None."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    from plait.checkpoint.commit import status
+
+    steps = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))),
+                   reverse=True)
+    for step, path in steps:
+        if status(str(path)) is None:
+            return step, path
+    return None
+
+
+class Checkpointer:
+    """Saves (async or not) and prunes; one in flight at a time (async_save waits for the last)."""
+
+    def __init__(self, folder: str | Path, *, async_mode: bool, keep_latest_k: int, is_rank0: bool) -> None:
+        self.folder, self.async_mode, self.keep, self.is_rank0 = Path(folder), async_mode, keep_latest_k, is_rank0
+        self._pending: Future | None = None
+
+    def save(self, state: TrainState, step: int, *, final: bool = False) -> Path:
+        state.step = step
+        path = step_dir(self.folder, step)
+        if self.async_mode and not final:
+            self._pending = dcp.async_save({"app": state}, checkpoint_id=str(path))
+        else:
+            self.wait()
+            dcp.save({"app": state}, checkpoint_id=str(path))
+            self._prune()
+        return path
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+            self._prune()
+
+    def load(self, state: TrainState, path: Path) -> int:
+        # a pipeline rank asks only for its stages' keys: the others' are in the checkpoint too
+        dcp.load({"app": state}, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+        return state.step
+
+    def _prune(self) -> None:
+        if not self.is_rank0 or self.keep <= 0:
+            return
+        done = sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _STEP_DIR.match(p.name))
+                      and (p / "metadata.json").exists())
+        for step in done[: -self.keep]:
+            shutil.rmtree(step_dir(self.folder, step), ignore_errors=True)
+
+
+def export_safetensors(checkpoint: Path, out: Path) -> None:
+    """One consolidated safetensors file of the model's full tensors (rank 0, from the saved
+    checkpoint: every layout gives the same file)."""
+    from safetensors.torch import save_file
+
+    from plait.checkpoint.tools import full_tensor
+
+    reader = dcp.FileSystemReader(str(checkpoint))
+    md = reader.read_metadata()
+    prefix = "app.model."
+    tensors = {fqn[len(prefix):]: full_tensor(reader, md, fqn).contiguous() for fqn in md.tensors
+               if fqn.startswith(prefix)}
+    save_file(tensors, str(out), metadata={"format": "pt"})

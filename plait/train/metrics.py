@@ -1,0 +1,109 @@
+"""Per-step figures: loss, throughput, MFU, peak memory; a JSONL log and the closing summary.
+
+    step -> StepRecord (global figures, agreed by one all-reduce before) -> JSONL line
+         -> progress bar (rank 0)     end -> summary table (rank 0)
+
+FLOPs per token (torchtitan's estimate, forward + backward): 6 * N + 12 * L * H * Q * T, N the
+parameters without the embedding table, L layers, H heads, Q head_dim, T the sequence length
+(the attention scores, which N does not count). MFU = achieved FLOPs/s per rank / peak FLOPs/s
+per rank; the peak is `metrics.peak_flops`, or, unset: 989e12 (an H100's bf16 dense) on CUDA
+and 1e12 on a CPU, an assumed round figure for a few cores' fp32 FMA throughput — the CPU MFU
+compares runs with each other, not with hardware.
+
+Peak memory per rank: CUDA, torch.cuda.max_memory_allocated(); CPU, the process's peak
+resident set size (getrusage ru_maxrss) — everything the process touched, Python and torch
+included, not only tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from plait.models.llama import ModelArgs
+
+CPU_PEAK_FLOPS = 1e12
+CUDA_PEAK_FLOPS = 989e12
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    n = args.num_params() - args.vocab_size * args.dim  # without the embedding table
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def peak_flops(configured: float, device_type: str) -> float:
+    if configured > 0:
+        return configured
+    return CUDA_PEAK_FLOPS if device_type == "cuda" else CPU_PEAK_FLOPS
+
+
+def peak_memory_bytes(device_type: str) -> int:
+    if device_type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return int(kb if sys.platform == "darwin" else kb * 1024)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float  # global
+    tokens_per_s_per_rank: float
+    mfu: float  # fraction of the peak per rank
+    step_time_s: float
+    peak_memory_mib: float  # max over ranks
+    val_loss: float | None = None
+
+
+class MetricsLogger:
+    """Writes one JSON object per line (rank 0 only); keeps the records for the summary."""
+
+    def __init__(self, path: str | Path | None, *, is_rank0: bool, progress_total: int = 0,
+                 progress: bool = True, initial: int = 0) -> None:
+        self.records: list[StepRecord] = []
+        self.is_rank0 = is_rank0
+        self._file = None
+        if is_rank0 and path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+        self._bar = None
+        if is_rank0 and progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=progress_total, initial=initial, desc="train", unit="step",
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def write(self, kind: str, **fields: object) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"kind": kind, **fields}) + "\n")
+            self._file.flush()
+
+    def log(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self.write("step", **asdict(record))
+        if self._bar is not None:
+            post = {"loss": f"{record.loss:.3f}", "tok/s": f"{record.tokens_per_s:.0f}"}
+            if record.val_loss is not None:
+                post["val"] = f"{record.val_loss:.3f}"
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def summary_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 2 + max(len(v) for _, v in rows))
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])

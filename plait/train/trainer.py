@@ -1,0 +1,321 @@
+"""The training loop, callable in-process: `train(config) -> TrainResult` on every rank.
+
+    JobConfig -> model args + ParallelDims (checked before any group is made) -> corpus and
+    tokenizer -> meshes -> model (same seed and init on every rank: one process's weights)
+    -> build_parts (split, TP, AC, compile, FSDP; the schedule when pp > 1) -> AdamW per part
+    -> per step: this rank's slice of the global batch -> forward/backward (or schedule.step)
+       -> clip by the global grad norm -> step -> loss and figures agreed by one all-reduce
+    -> validation every N steps -> (checkpoint) -> summary
+
+The process group must exist (`plait run` + `plait.comm.init_process_group()`, or a
+plait.testing pool rank); `main` in `plait.train.cli` makes it.
+
+Losses reported are the global batch's mean: each rank holding the loss (the last stage's
+ranks) adds loss / (dp * tp) into one world all-reduce, so the figure is what one process
+computes on the same batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from plait import comm
+from plait.data.text import TokenWindows, build_corpus
+from plait.models.llama import CONFIGS, ModelArgs, Transformer
+from plait.tensor import DTensor, Replicate
+from plait.train import metrics as M
+from plait.train.checkpointing import (
+    Checkpointer,
+    TrainState,
+    export_safetensors,
+    latest_complete,
+    step_dir,
+)
+from plait.train.config import JobConfig
+from plait.train.data import BatchStream, val_batches
+from plait.train.layout import ParallelDims, build_meshes, resolve
+from plait.train.parallelize import PipelineParts, build_parts, lm_loss
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # per step run here, global mean
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
+    start_step: int = 0  # > 0 when resumed from a checkpoint
+    records: list[M.StepRecord] = field(default_factory=list)
+    graph_breaks: int = 0
+    summary: str = ""
+
+
+def model_args(config: JobConfig) -> ModelArgs:
+    """The Llama config named by model.name, with the section's overrides, the tokenizer's
+    vocabulary and room for training.seq_len."""
+    m = config.model
+    if m.name not in CONFIGS:
+        raise ValueError(f"model.name {m.name!r} is not a plait.models.llama config: {sorted(CONFIGS)}")
+    changes: dict[str, object] = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+                                  if getattr(m, k)}
+    vocab = 256 if config.data.tokenizer == "byte" else config.data.vocab_size
+    base = CONFIGS[m.name]
+    return base.replace(**changes, vocab_size=vocab, tie_embeddings=m.tie_embeddings,
+                        max_seq_len=max(base.max_seq_len, config.training.seq_len))
+
+
+def check(config: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
+    """Every check that needs no process group: the model, the layout, the schedule."""
+    t = config.training
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"training.{name} must be >= 1, got {getattr(t, name)}")
+    args = model_args(config)
+    return args, resolve(config.parallel, t, args, world_size)
+
+
+def _lr_lambda(config: JobConfig):
+    t = config.training
+
+    def factor(step: int) -> float:  # step: optimizer steps taken so far
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def reduce_partial_grads(params: list[torch.nn.Parameter]) -> None:
+    """Make every grad complete: a Partial(sum) DTensor grad (a replicated parameter fed by
+    sharded activations, e.g. a SequenceParallel norm's weight) is all-reduced to Replicate, so
+    the grad norm below and the optimizer see the sum, reduced once."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                    for pl in g.placements])
+
+
+def grad_norm_sq(params: list[torch.nn.Parameter], *, world: int, pp: int) -> torch.Tensor:
+    """This rank's share of the squared global grad norm: summed over the world it is the whole
+    model's. A piece held identically by k ranks (a Replicate axis, or a plain tensor every rank
+    of a pipeline stage holds) adds 1/k of its square on each."""
+    total = torch.zeros((), dtype=torch.float64)
+    per_stage = world // pp
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            copies = per_stage // mesh.size()
+            for axis, pl in enumerate(g.placements):
+                if pl.is_replicate():
+                    copies *= mesh.size(axis)
+            local = g.to_local()
+        else:
+            copies, local = per_stage, g
+        total += local.double().pow(2).sum() / copies
+    return total
+
+
+def _losses_of(parts: PipelineParts, out: object) -> torch.Tensor:
+    loss = out
+    if isinstance(loss, list):
+        loss = torch.stack([x.full_tensor() if isinstance(x, DTensor) else x for x in loss]).mean()
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss.detach().float()
+
+
+def _forward_backward(parts: PipelineParts, batch: torch.Tensor, *, train: bool) -> torch.Tensor | None:
+    """Run one (local) batch; returns its mean loss on a rank that computes it, else None."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    if parts.schedule is None:
+        (module,) = parts.modules
+        loss = lm_loss(module(x), y)
+        if train:
+            loss.backward()
+        return _losses_of(parts, loss)
+    losses: list[torch.Tensor] = []
+    args = (x,) if parts.has_first else ()
+    target = y if parts.has_last else None
+    if train:
+        parts.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+    else:
+        parts.schedule.eval(*args, target=target, losses=losses)
+    return _losses_of(parts, losses) if parts.has_last else None
+
+
+def _global_mean(local: torch.Tensor | None, dims: ParallelDims) -> float:
+    t = torch.zeros((), dtype=torch.float64) if local is None else local.double() / (dims.dp * dims.tp)
+    comm.all_reduce(t, group=comm.world_group())
+    return float(t)
+
+
+def train(config: JobConfig) -> TrainResult:
+    """Train per `config` on the current process group; every rank calls it."""
+    world, rank = comm.world_size(), comm.global_rank()
+    args, dims = check(config, world)
+    torch.manual_seed(config.job.seed)
+    run_dir = Path(config.job.dir)
+    d = config.data
+    corpus = dict(path=d.path, glob=d.glob, max_bytes=d.max_bytes, tokenizer=d.tokenizer,
+                  vocab_size=d.vocab_size, cache_dir=run_dir / "tokenizer")
+    if d.tokenizer == "bpe" and world > 1:  # rank 0 trains the BPE once; the others read its cache
+        if rank == 0:
+            tokens, _ = build_corpus(**corpus)
+        comm.barrier(group=comm.world_group())
+        if rank != 0:
+            tokens, _ = build_corpus(**corpus)
+    else:
+        tokens, _ = build_corpus(**corpus)
+    t = config.training
+    train_set = TokenWindows(tokens, seq_len=t.seq_len, split="train", val_fraction=d.val_fraction)
+    val_set = TokenWindows(tokens, seq_len=t.seq_len, split="val", val_fraction=d.val_fraction)
+
+    meshes = build_meshes(dims)
+    dp_rank = meshes.dp.get_local_rank()
+    model = Transformer(args)
+    model.init_weights(seed=config.job.seed)
+    graph_breaks_before = _graph_breaks()
+    parts = build_parts(model, dims, meshes, loss_fn=lm_loss, ac_mode=config.activation_checkpoint.mode,
+                        ac_every=config.activation_checkpoint.every, compile=config.compile.enabled,
+                        compile_backend=config.compile.backend)
+    del model
+    params = [p for m in parts.modules for p in m.parameters()]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=t.eps,
+                                    weight_decay=t.weight_decay) for m in parts.modules]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, _lr_lambda(config)) for o in optimizers]
+    stream = BatchStream(train_set, global_batch=t.batch_size, dp_rank=dp_rank, dp_size=dims.dp,
+                         seed=config.job.seed)
+    held_out = val_batches(val_set, global_batch=t.batch_size, count=config.metrics.val_batches,
+                           dp_rank=dp_rank, dp_size=dims.dp) if config.metrics.val_batches else []
+
+    result = TrainResult()
+    ck = config.checkpoint
+    folder = Path(ck.folder or run_dir / "checkpoints")
+    state = TrainState(parts.modules, optimizers, schedulers, stream, config.to_dict())
+    checkpointer = Checkpointer(folder, async_mode=ck.async_mode, keep_latest_k=ck.keep_latest_k,
+                                is_rank0=rank == 0) if ck.enabled else None
+    start = 0
+    if checkpointer is not None and ck.resume:
+        found = latest_complete(folder)
+        if found is not None:
+            start = checkpointer.load(state, found[1])
+    result.start_step = start
+    device_type = meshes.world.device_type
+    fpt = M.flops_per_token(args, t.seq_len)
+    peak = M.peak_flops(config.metrics.peak_flops, device_type)
+    jsonl = config.metrics.jsonl or str(run_dir / "metrics.jsonl")
+    log = M.MetricsLogger(jsonl, is_rank0=rank == 0, progress_total=t.steps, initial=start,
+                          progress=config.metrics.progress)
+    if rank == 0:
+        log.write("config", world_size=world, layout=dims.describe(), params=args.num_params(),
+                  flops_per_token=fpt, peak_flops=peak, config=config.to_dict())
+
+    def validate() -> float:
+        for m in parts.modules:
+            m.eval()
+        with torch.no_grad():
+            vals = [_global_mean(_forward_backward(parts, b, train=False), dims) for b in held_out]
+        for m in parts.modules:
+            m.train()
+        return sum(vals) / len(vals)
+
+    tokens_per_step = t.batch_size * t.seq_len
+    wall0 = time.perf_counter()
+    for step in range(start + 1, t.steps + 1):
+        t0 = time.perf_counter()
+        batch = next(stream)
+        local_loss = _forward_backward(parts, batch, train=True)
+        reduce_partial_grads(params)
+        norm_sq = grad_norm_sq(params, world=world, pp=dims.pp)
+        comm.all_reduce(norm_sq, group=comm.world_group())
+        norm = float(norm_sq.sqrt())
+        if t.max_norm > 0 and norm > t.max_norm:
+            coef = t.max_norm / (norm + 1e-6)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        for o in optimizers:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        lr = schedulers[0].get_last_lr()[0]
+        for s in schedulers:
+            s.step()
+        loss = _global_mean(local_loss, dims)
+        dt = time.perf_counter() - t0
+        mem = torch.tensor(float(M.peak_memory_bytes(device_type)))
+        comm.all_reduce(mem, group=comm.world_group(), op="max")
+        val = None
+        every = config.metrics.val_every
+        if held_out and ((every and step % every == 0) or step == t.steps):
+            val = validate()
+            result.val_losses[step] = val
+        tps = tokens_per_step / dt
+        record = M.StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tps,
+                              tokens_per_s_per_rank=tps / world, mfu=tps / world * fpt / peak,
+                              step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val)
+        result.losses.append(loss)
+        log.log(record)
+        if checkpointer is not None and ck.interval and step % ck.interval == 0 and step != t.steps:
+            checkpointer.save(state, step)
+    wall = time.perf_counter() - wall0
+    if checkpointer is not None:
+        last = checkpointer.save(state, t.steps, final=True) if start < t.steps else step_dir(folder, start)
+        if ck.export_safetensors and rank == 0:
+            export_safetensors(last, run_dir / "model.safetensors")
+        comm.barrier(group=comm.world_group())
+    result.records = log.records
+    result.graph_breaks = _graph_breaks() - graph_breaks_before
+    log.close()
+    result.summary = _summary(config, dims, args, result, wall, device_type)
+    if rank == 0:
+        log_path = Path(jsonl)
+        if log_path.exists():
+            with open(log_path, "a") as f:
+                import json
+
+                f.write(json.dumps({"kind": "summary", "graph_breaks": result.graph_breaks,
+                                    "wall_s": wall}) + "\n")
+    return result
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, result: TrainResult, wall: float,
+             device_type: str) -> str:
+    recs = result.records
+    if not recs:
+        return "no steps run (already at training.steps)"
+    timed = recs[1:] or recs  # the first step includes warm-up (compile, first gathers)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    rows = [
+        ("layout", dims.describe()),
+        ("model", f"{config.model.name}: {args.num_params():,} parameters, {args.n_layers} layers, "
+                  f"vocab {args.vocab_size}"),
+        ("steps", f"{recs[0].step}..{recs[-1].step} ({len(recs)} run, {wall:.1f} s)"),
+        ("loss", f"{recs[0].loss:.4f} -> {recs[-1].loss:.4f}"),
+    ]
+    if result.val_losses:
+        first, last = min(result.val_losses), max(result.val_losses)
+        rows.append(("val loss", f"{result.val_losses[first]:.4f} (step {first}) -> "
+                                 f"{result.val_losses[last]:.4f} (step {last})"))
+    rows += [
+        ("tokens/s", f"{mean([r.tokens_per_s for r in timed]):.0f} global, "
+                     f"{mean([r.tokens_per_s_per_rank for r in timed]):.0f} per rank"),
+        ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {M.peak_flops(config.metrics.peak_flops, device_type):.3g} "
+                "FLOP/s per rank (metrics.peak_flops)"),
+        ("peak memory", f"{max(r.peak_memory_mib for r in recs):.0f} MiB per rank (max; CPU: peak RSS)"),
+    ]
+    if config.compile.enabled:
+        rows.append(("graph breaks", str(result.graph_breaks)))
+    return M.summary_table(rows)

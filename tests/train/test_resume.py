@@ -1,0 +1,60 @@
+"""Checkpoints: saved at step 5 on 8 ranks (dp_shard 2 x tp 2 x pp 2), resumed on 4 ranks with
+another layout — FSDP 4 (data-parallel degree 2 -> 4, no TP, no pipeline), or tp 2 x pp 2
+(dp 2 -> 1) — the next steps equal the uninterrupted 1-rank run, so the data stream continued
+on the new dp degree without repeating or skipping a sample; the exported safetensors model
+holds the full tensors.
+
+The 8-rank run trains 10 steps saving every 5 (async) and at the end; the step-10 checkpoint is
+then removed, as if the job had died after step 5, so the 4-rank run finds step 5 as the latest
+complete checkpoint. Tolerance: the parity tests' (rtol/atol 1e-5), the same float32 sums in
+another order; the resumed state itself is exact (model, AdamW moments, step, data position).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.testing import run_distributed
+from tests.train.common import run_tiny
+from tests.train.test_parity import TOL, reference
+
+CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "5"]
+
+
+@pytest.mark.parametrize("resume_layout", [
+    ["--parallel.dp_shard", "4", "--checkpoint.export-safetensors"],
+    ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.dp_shard", "1"],
+], ids=["fsdp4", "tp_x_pp"])
+def test_save_on_8_ranks_resume_on_4_with_another_layout(resume_layout):
+    ref = reference()
+    job = tempfile.mkdtemp(prefix="plait-resume-")
+    try:
+        first = run_distributed(run_tiny, [*CKPT, "--parallel.dp_shard", "2", "--parallel.tp", "2",
+                                           "--parallel.pp", "2"], job, world_size=8)[0]
+        torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(ref["losses"]), **TOL)
+        folder = Path(job) / "checkpoints"
+        assert sorted(p.name for p in folder.iterdir()) == ["step-000005", "step-000010"]
+        shutil.rmtree(folder / "step-000010")
+        resumed = run_distributed(run_tiny, [*CKPT, *resume_layout], job, world_size=4)
+        for got in resumed:
+            assert got["start"] == 5
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][5:]), **TOL)
+            torch.testing.assert_close(got["val"][10], ref["val"][10], **TOL)
+        if "--checkpoint.export-safetensors" in resume_layout:
+            from safetensors.torch import load_file
+
+            from plait.models.llama import Transformer
+            from plait.train import load
+            from plait.train.trainer import model_args
+
+            tensors = load_file(str(Path(job) / "model.safetensors"))
+            model = Transformer(model_args(load("tiny")))
+            assert set(tensors) == set(model.state_dict())
+            model.load_state_dict(tensors)  # full shapes, one process
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
