@@ -72,17 +72,17 @@ class ActivationWrapper(nn.Module):
 
 def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> dict[str, Any]:
     """state_dict post-hook: `{prefix}_checkpoint_wrapped_module.x` -> `{prefix}x`."""
-    _replace_prefix(state_dict, prefix + _CHECKPOINT_PREFIX, prefix)
+    replace_prefix(state_dict, prefix + _CHECKPOINT_PREFIX, prefix)
     return state_dict
 
 
 def _add_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """load_state_dict pre-hook: `{prefix}x` -> `{prefix}_checkpoint_wrapped_module.x`, so a
     plain model's state dict loads into the checkpointed one."""
-    _replace_prefix(state_dict, prefix, prefix + _CHECKPOINT_PREFIX)
+    replace_prefix(state_dict, prefix, prefix + _CHECKPOINT_PREFIX)
 
 
-def _replace_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
+def replace_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
     """Rename keys starting with `old` in place, keeping the dict's order; a key that already
     starts with `new` (a state dict saved with the wrapper's names) is left as it is."""
     if old == new:

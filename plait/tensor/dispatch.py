@@ -33,6 +33,7 @@ def dispatch(op, args: tuple, kwargs: dict):
         if t is DTensor:
             dts.append(a)
             append(a._spec)
+            append(id(a._spec.mesh))  # see _key
         elif t is list or t is tuple or isinstance(a, _Tensor):
             append(_key(op, a, dts))
         else:
@@ -63,7 +64,10 @@ def _key(op, a, dts: list):
     t = type(a)
     if t is DTensor:
         dts.append(a)
-        return a._spec
+        # a plan's output specs hold the mesh it was built with: two meshes over the same
+        # ranks compare equal, but a result must keep its input's mesh (its root, its groups),
+        # so the plan is keyed by the mesh object too (the plan holds it: its id stays unique)
+        return (a._spec, id(a._spec.mesh))
     if t is list or t is tuple:
         return tuple(_key(op, e, dts) for e in a)
     if isinstance(a, _Tensor):

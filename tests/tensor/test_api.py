@@ -196,3 +196,19 @@ def test_errors_repr_and_copies():
     assert x.sum().item() == ints(4, 3, seed=6).sum().item()
     assert torch.equal(x, z) and not torch.equal(x, z + 1)
     assert x.is_same_size(z)
+
+
+@distributed([4])
+def test_a_result_keeps_its_inputs_mesh_when_an_equal_mesh_ran_the_op_first(world_size):
+    """Meshes over the same ranks compare equal, but each has its own root: an op's cached
+    plan must not hand a result the mesh of an earlier, equal one (fully_shard over TP then
+    saw a tp mesh from another root and refused it)."""
+    from plait.device_mesh import DeviceMesh, init_device_mesh
+
+    first = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    second = DeviceMesh("cpu", first._root.mesh, mesh_dim_names=("dp", "tp"))["tp"]
+    assert first == second and first._root is not second._root
+    for mesh in (first, second):
+        x = distribute_tensor(torch.arange(8.0).view(4, 2), mesh, [Shard(0)])
+        y = x * 2
+        assert y.device_mesh is mesh and (y + y).device_mesh is mesh

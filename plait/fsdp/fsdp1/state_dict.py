@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.activation_checkpoint import replace_prefix
 from plait.fsdp.fsdp1.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -71,22 +72,11 @@ def _units(module: nn.Module) -> list[nn.Module]:
     return FullyShardedDataParallel.fsdp_modules(module)
 
 
-def _rename(state_dict: dict[str, Any], old: str, new: str) -> None:
-    """Keys starting with `old` -> `new` + rest, in place and in order; keys that already
-    start with `new` (when `new` extends `old`) stay."""
-    items = list(state_dict.items())
-    state_dict.clear()
-    for key, value in items:
-        if key.startswith(old) and not (new.startswith(old) and key.startswith(new)):
-            key = new + key[len(old):]
-        state_dict[key] = value
-
-
 # -- state_dict ----------------------------------------------------------------------------
 
 
 def _post_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> dict[str, Any]:
-    _rename(state_dict, prefix + _PREFIX, prefix)
+    replace_prefix(state_dict, prefix + _PREFIX, prefix)
     settings = unit._state_dict_settings
     kind, config = settings.state_dict_type, settings.state_dict_config
     orig_dtypes = _buffer_dtypes_by_key(unit, prefix)
@@ -146,7 +136,7 @@ def _buffer_dtypes_by_key(unit: nn.Module, prefix: str) -> dict[str, torch.dtype
 
 def _pre_load_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Add the wrapper's prefix back; give each of this unit's parameters a DTensor shard."""
-    _rename(state_dict, prefix, prefix + _PREFIX)
+    replace_prefix(state_dict, prefix, prefix + _PREFIX)
     group = unit._plait_fsdp_state.group
     if group is None:
         return
