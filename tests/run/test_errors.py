@@ -50,8 +50,9 @@ def test_rendezvous_port_held_by_something_else_is_reported_not_waited_on(job):
                     "--rdzv-conf", "join_timeout=1", worker("env_dump.py"))
     assert r.rc == 1
     assert f"127.0.0.1:{port} accepted a connection but never answered as a c10d store" in r.err, r.err
-    # bounded by join_timeout=1 (plus torch's import), not by the 600 s default join timeout
-    assert time.monotonic() - t0 < RDZV_CONF_DEFAULTS["join_timeout"] / 10
+    # bounded by join_timeout=1 (plus torch's import), not by the 600 s default join timeout;
+    # half of it, because with both cores busy the run took 69 s (ci-under-load -j 2)
+    assert time.monotonic() - t0 < RDZV_CONF_DEFAULTS["join_timeout"] / 2
 
 
 def test_static_master_port_in_use_on_node_rank_0(job):
