@@ -7,6 +7,11 @@ and at the end, resume from the latest complete one — also on another layout o
            "train"  step, the data stream's global position, which the new layout deals out again
            "config" the run's JobConfig as a dict (for `plait generate`; a resumed run keeps its own)
 
+Which checkpoint to resume is rank 0's choice, broadcast: every rank loads the same step even
+when a commit lands while the ranks look (a node lost mid-save whose rank 0 still finishes it,
+or a shared file system that shows a new directory to one node before another); a rank that
+cannot see the chosen checkpoint complete stops every rank with the reason, before the load.
+
 FQNs do not depend on the layout (stages keep `layers.{i}`, TP and FSDP keep names), so every
 rank asks, on load, for exactly the keys its current parts hold, in their current placements,
 and plait.checkpoint reads the overlapping pieces of whatever layout wrote them. The LR
@@ -21,9 +26,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from plait import checkpoint as dcp
+from plait import comm
 from plait.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -92,6 +99,31 @@ def latest_complete(folder: str | Path) -> tuple[int, Path] | None:
         if status(str(path)) is None:
             return step, path
     return None
+
+
+def agreed_latest(folder: str | Path, *, group) -> tuple[int, Path] | None:
+    """`latest_complete(folder)` as rank 0 of `group` sees it, the same on every rank; raises on
+    every rank (before any load) if some rank cannot see that checkpoint complete."""
+    from plait.checkpoint.commit import status
+
+    found = latest_complete(folder) if comm.get_rank(group) == 0 else None
+    step = torch.tensor(found[0] if found is not None else -1, dtype=torch.int64)
+    comm.broadcast(step, src=0, group=group)
+    if int(step) < 0:
+        return None
+    path = step_dir(folder, int(step))
+    why = status(str(path))
+    rank, size = comm.get_rank(group), comm.get_world_size(group)
+    count = torch.tensor(0 if why is None else 1, dtype=torch.int64)
+    first = torch.tensor(size if why is None else rank, dtype=torch.int64)
+    comm.all_reduce(count, group=group)  # how many ranks cannot see it
+    comm.all_reduce(first, group=group, op="min")  # the first of them
+    if int(count):
+        raise RuntimeError(f"rank 0 resumes {path}, but {int(count)} of {size} ranks (the first: "
+                           f"rank {int(first)}) do not see it complete"
+                           + (f" (here: {why})" if why else "")
+                           + "; every rank must see the same checkpoint folder (a shared file system)")
+    return int(step), path
 
 
 class Checkpointer:

@@ -32,8 +32,8 @@ from plait.train import metrics as M
 from plait.train.checkpointing import (
     Checkpointer,
     TrainState,
+    agreed_latest,
     export_safetensors,
-    latest_complete,
     step_dir,
 )
 from plait.train.config import JobConfig
@@ -203,7 +203,7 @@ def train(config: JobConfig) -> TrainResult:
                                 is_rank0=rank == 0) if ck.enabled else None
     start = 0
     if checkpointer is not None and ck.resume:
-        found = latest_complete(folder)
+        found = agreed_latest(folder, group=comm.world_group())
         if found is not None:
             start = checkpointer.load(state, found[1])
     result.start_step = start
@@ -214,8 +214,10 @@ def train(config: JobConfig) -> TrainResult:
     log = M.MetricsLogger(jsonl, is_rank0=rank == 0, progress_total=t.steps, initial=start,
                           progress=config.metrics.progress)
     if rank == 0:
-        log.write("config", world_size=world, layout=dims.describe(), params=args.num_params(),
-                  flops_per_token=fpt, peak_flops=peak, config=config.to_dict())
+        # start_step > 0: resumed; the log then repeats the steps after that checkpoint that the
+        # interrupted run had logged (plait plot keeps each step's last record)
+        log.write("config", world_size=world, start_step=start, layout=dims.describe(),
+                  params=args.num_params(), flops_per_token=fpt, peak_flops=peak, config=config.to_dict())
 
     def validate() -> float:
         for m in parts.modules:

@@ -75,7 +75,8 @@ def segments(jsonl) -> list[dict]:
     for line in jsonl.read_text().splitlines():
         rec = json.loads(line)
         if rec["kind"] == "config":
-            out.append({"world": rec["world_size"], "layout": rec["layout"], "steps": []})
+            out.append({"world": rec["world_size"], "start": rec["start_step"], "layout": rec["layout"],
+                        "steps": []})
         elif rec["kind"] == "step":
             out[-1]["steps"].append(rec)
     return out
@@ -119,6 +120,7 @@ def test_losing_a_node_resumes_on_the_survivor_with_half_the_dp_degree(job):
     segs = segments(run / "metrics.jsonl")
     assert [(s["world"], [x["step"] for x in s["steps"]]) for s in segs] == [
         (4, list(range(1, PAUSE + 1))), (2, list(range(KEPT + 1, STEPS + 1)))]
+    assert [s["start"] for s in segs] == [0, KEPT]
     assert [s["layout"] for s in segs] == [f"dp_replicate(1) x dp_shard({n}) x tp(1) x pp(1) = {n} ranks"
                                            for n in (4, 2)]
 

@@ -58,3 +58,39 @@ def test_save_on_8_ranks_resume_on_4_with_another_layout(resume_layout):
             model.load_state_dict(tensors)  # full shapes, one process
     finally:
         shutil.rmtree(job, ignore_errors=True)
+
+
+def _resume_point(folder: str, rank1_view: str) -> object:
+    """agreed_latest on this rank, rank 1 seeing `rank1_view` of the folder: "stale" (its listing
+    lags: step 3 is the latest it sees) or "blind" (step 6 not complete there)."""
+    from plait import comm
+    from plait.checkpoint import commit
+    from plait.train import checkpointing
+
+    saved = checkpointing.latest_complete, commit.status
+    if comm.global_rank() == 1 and rank1_view == "stale":
+        checkpointing.latest_complete = lambda f: (3, checkpointing.step_dir(f, 3))
+    if comm.global_rank() == 1 and rank1_view == "blind":
+        commit.status = lambda p: "not visible here" if p.endswith("step-000006") else saved[1](p)
+    try:
+        found = checkpointing.agreed_latest(folder, group=comm.world_group())
+        return None if found is None else found[0]
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        checkpointing.latest_complete, commit.status = saved
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
+    """A commit can land while the ranks look (a lost node's rank 0 finishing its save, a shared
+    file system showing a new folder to one node first): the ranks must still load one step."""
+    assert run_distributed(_resume_point, str(tmp_path), "stale", world_size=2) == [None, None]
+    for step in (3, 6):
+        (tmp_path / f"step-{step:06d}").mkdir()
+        (tmp_path / f"step-{step:06d}" / "metadata.json").write_text("{}")
+    (tmp_path / "step-000009.incomplete").mkdir()  # a save killed before its commit: never picked
+    assert run_distributed(_resume_point, str(tmp_path), "stale", world_size=2) == [6, 6]
+    got = run_distributed(_resume_point, str(tmp_path), "blind", world_size=2)
+    assert all(f"resumes {tmp_path / 'step-000006'}, but 1 of 2 ranks (the first: rank 1) do not see it "
+               "complete" in g for g in got), got
+    assert "(here: not visible here)" in got[1] and "(here:" not in got[0]
