@@ -4,8 +4,11 @@ checkpoint with half the data-parallel degree.
 
     node A (store host) ─┐  round: 2 nodes × 2 workers, FSDP over 4 ranks, checkpoint every 3
     node B (victim)     ─┘  steps 1..6 run; B's ranks stop at the save of step 6, A's wait in it
-    test: step-000003 complete ─▶ SIGKILL B's process group (agent; its workers die with it)
-    A: the round ends (a worker's Gloo error, or B's heartbeat gone) ─▶ restart 1 of 1
+    test: step-000003 complete ─▶ B lost: killed (SIGKILL of its agent's process group; its
+          workers die with it) or frozen (SIGSTOP of the agent and its workers: no connection
+          closes, as a node that lost power or network)
+    A: the round ends (killed: a worker's Gloo error or B's heartbeat; frozen: the heartbeat
+       only, A's workers hang in the collective until stopped) ─▶ restart 1 of 1
        ─▶ a round with A alone: world 2, FSDP over 2 ranks ─▶ resumes step 3 ─▶ steps 4..10
 
 The trainer is `python -m plait.train` behind two test seams (workers/elastic_train.py): it
@@ -33,6 +36,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from plait.data.text import TokenWindows, build_corpus
@@ -91,7 +95,22 @@ def wait_for_path(path, what: str, agents) -> None:
         time.sleep(0.05)
 
 
-def test_losing_a_node_resumes_on_the_survivor_with_half_the_dp_degree(job):
+def lose_node(job, victim, how: str) -> None:
+    """"killed": SIGKILL of B's agent's process group (its workers die with it, closing their
+    connections: A's workers fail at once). "frozen": B's agent and workers stopped (SIGSTOP), as
+    a node that lost power or network: no connection closes, A's workers hang in the collective,
+    and only B's silent heartbeat tells A's agent."""
+    if how == "killed":
+        os.killpg(victim.pid, signal.SIGKILL)
+        return
+    workers = [job.read(name)["pid"] for name in job.outputs("paused_r")]
+    os.killpg(victim.pid, signal.SIGSTOP)
+    for pid in workers:
+        os.killpg(pid, signal.SIGSTOP)  # each worker leads its own process group
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_losing_a_node_resumes_on_the_survivor_with_half_the_dp_degree(job, how):
     port = free_port()
     run = job.dir / "run"
     args = [*c10d(port, "1:2", "--max-restarts", "1"), "--nproc-per-node", "2",
@@ -107,12 +126,15 @@ def test_losing_a_node_resumes_on_the_survivor_with_half_the_dp_degree(job):
     folder = run / "checkpoints"
     wait_for_path(folder / f"step-{KEPT:06d}" / "metadata.json", "the step-3 checkpoint", [host, victim])
     assert not (folder / f"step-{PAUSE:06d}").exists()  # in flight: B's ranks never wrote theirs
-    os.killpg(victim.pid, signal.SIGKILL)  # node B lost: its agent; its workers die with it (PDEATHSIG)
+    lose_node(job, victim, how)
     (job.out / "NODE_LOST").touch()
-    assert victim.wait().rc == -signal.SIGKILL
 
     r = host.wait()
     assert r.rc == 0, r.err[-6000:]
+    if how == "frozen":
+        assert "lost: no heartbeat for" in r.err, r.err[-6000:]
+        os.killpg(victim.pid, signal.SIGKILL)  # its stopped workers die with it (PDEATHSIG)
+    assert victim.wait().rc == -signal.SIGKILL
     assert "restarting every worker (restart 1 of 1)" in r.err, r.err[-6000:]
     assert "1 node(s), world size 2" in r.err.rsplit("restarting every worker", 1)[1]
 

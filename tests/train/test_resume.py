@@ -89,6 +89,7 @@ def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
         (tmp_path / f"step-{step:06d}").mkdir()
         (tmp_path / f"step-{step:06d}" / "metadata.json").write_text("{}")
     (tmp_path / "step-000009.incomplete").mkdir()  # a save killed before its commit: never picked
+    (tmp_path / "step-000012").mkdir()  # files without metadata.json (copied, or pruned halfway)
     assert run_distributed(_resume_point, str(tmp_path), "stale", world_size=2) == [6, 6]
     got = run_distributed(_resume_point, str(tmp_path), "blind", world_size=2)
     assert all(f"resumes {tmp_path / 'step-000006'}, but 1 of 2 ranks (the first: rank 1) do not see it "
