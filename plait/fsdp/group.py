@@ -86,6 +86,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        self.grad_dtype: torch.dtype | None = None  # the sharded .grad's; None: each parameter's own
         self.unshard_count = 0  # all-gathers issued (tests count them)
 
     # -- parameters --------------------------------------------------------------------------
@@ -192,7 +193,7 @@ class ParamGroup:
         reduced.div_(self.dp_size)
         with torch.no_grad():
             for p, off, size in zip(self.params, self.offsets, self.sizes):
-                p.take_shard_grad(reduced[off:off + size])
+                p.take_shard_grad(reduced[off:off + size], self.grad_dtype)
 
 
 __all__ = ["ParamGroup", "ReduceQueue", "ShardedState"]

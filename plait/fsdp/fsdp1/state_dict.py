@@ -42,6 +42,7 @@ from plait.fsdp.fsdp1.api import (
     StateDictSettings,
     StateDictType,
 )
+from plait.fsdp.param import set_grad
 from plait.tensor import DTensor
 from plait.tensor.placement import chunk_offset
 
@@ -330,7 +331,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             if offload_to_cpu:
                 whole = whole.cpu()
             p = nn.Parameter(whole, requires_grad=fp.requires_grad)
-            p.grad = grad
+            set_grad(p, grad)  # keep_low_precision_grads: a grad of the compute dtype
             if keep:
                 fp.register(p)
             full.append((fp, p))
