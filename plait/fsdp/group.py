@@ -8,7 +8,7 @@
                param i's block (N*P_i,) whose first numel_i elements are its unsharded view
     reshard:   the sharded DTensors go back on the module; the flat buffer's storage is
                resized to 0 (the views keep their shapes, the memory is freed)
-    reduce:    unsharded grads -> reduce-scatter input (N, S) rank-major, padding zero, in
+    reduce:    unsharded grads -> reduce-scatter input (N, S) rank-major, padding zeroed, in
                reduce_dtype -> one reduce-scatter (sum) on the shard axis -> (S,) -> HSDP:
                all-reduce on the replicate axis -> / data-parallel size -> sharded .grad
 
@@ -98,7 +98,7 @@ class ParamGroup:
     @property
     def unsharded_bytes(self) -> int:
         """Bytes of the flat unsharded buffer (N*S elements in param_dtype)."""
-        return self.world * self.total * torch.empty((), dtype=self.param_dtype).element_size()
+        return self.world * self.total * self.param_dtype.itemsize
 
     @property
     def gather_pending(self) -> bool:
@@ -172,7 +172,8 @@ class ParamGroup:
         if not self.has_grads():
             return  # every rank skips alike: the group took no part in this backward
         n = self.world
-        rs_in = torch.zeros(n, self.total, dtype=self.reduce_dtype, device=self.device)  # (N, S)
+        # (N, S); each parameter writes its block and zeroes its padding (no whole-buffer memset)
+        rs_in = torch.empty(n, self.total, dtype=self.reduce_dtype, device=self.device)
         with torch.no_grad():
             for p, off, size in zip(self.params, self.offsets, self.sizes):
                 p.fill_grad(rs_in[:, off:off + size])

@@ -154,10 +154,12 @@ class FSDPParam:
 
     def fill_grad(self, dst: torch.Tensor) -> bool:
         """Write the unsharded gradient (plus any accumulated one) into `dst` (world,
-        padded_numel), a strided column block of the reduce-scatter input whose padding is
-        zero already. Returns False when there is no gradient."""
+        padded_numel), a strided column block of the uninitialised reduce-scatter input,
+        and zero its padding (the last numel..world*padded_numel elements in rank-major
+        order). Returns False (dst all zero) when there is no gradient."""
         grad = self._unsharded_grad()
         if grad is None and self.acc_grad is None:
+            dst.zero_()
             return False
         if grad is not None:
             rows = (grad if self.dim == 0 else grad.movedim(self.dim, 0)).reshape(-1)
@@ -170,6 +172,9 @@ class FSDPParam:
             dst[:full].copy_(rows[: full * self.padded_numel].view(full, self.padded_numel))
         if rem:
             dst[full, :rem].copy_(rows[full * self.padded_numel:])
+            dst[full, rem:].zero_()
+        if full + (rem > 0) < self.world:
+            dst[full + (rem > 0):].zero_()
         self.clear_grad()
         return True
 

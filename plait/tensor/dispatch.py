@@ -1,6 +1,7 @@
 """__torch_dispatch__ for DTensor: look up the call's plan, move inputs, run locally, wrap.
 
     key = (id(op), spec of every DTensor arg, every other arg)    one tuple hash per call
+          (a float arg of a pointwise op by its type: its value changes no plan)
     plan = cache[key] or planner.build(...)                   rule -> steps + output specs
     run:  local_i = steps_i(dtensor_i local) -> op(locals) -> wrap with the output specs
 
@@ -17,6 +18,7 @@ import torch
 
 from plait.tensor import redistribute as redist
 from plait.tensor.dtensor import DTensor, wrap
+from plait.tensor.ops.registry import FLOAT_VALUE_FREE
 from plait.tensor.spec import DTensorSpec
 
 MAX_CACHED = 16384
@@ -28,6 +30,7 @@ def dispatch(op, args: tuple, kwargs: dict):
     dts: list[DTensor] = []
     key: list = [id(op)]  # an OpOverload hashes in Python; its id in C
     append = key.append
+    free = id(op) in FLOAT_VALUE_FREE  # a float argument is keyed by its type, not its value
     for a in args:
         t = type(a)
         if t is DTensor:
@@ -37,11 +40,11 @@ def dispatch(op, args: tuple, kwargs: dict):
         elif t is list or t is tuple or isinstance(a, _Tensor):
             append(_key(op, a, dts))
         else:
-            append(a)
+            append(float if free and t is float else a)
     if kwargs:
         for k, v in kwargs.items():
             append(k)
-            append(_key(op, v, dts))
+            append(float if free and type(v) is float else _key(op, v, dts))
     key_t = tuple(key)
     try:
         plan = _plans.get(key_t)

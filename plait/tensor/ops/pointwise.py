@@ -20,7 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plait.tensor.ops.registry import OpCall, Sharding, aten, partial_ops, partials, register
+from plait.tensor.ops.registry import (
+    FLOAT_VALUE_FREE,
+    OpCall,
+    Sharding,
+    aten,
+    partial_ops,
+    partials,
+    register,
+)
 from plait.tensor.placement import Partial, Replicate, Shard
 from plait.tensor.spec import DTensorSpec
 
@@ -141,6 +149,8 @@ def pointwise_rule(call: OpCall) -> Sharding:
 
 
 register(*pointwise_ops())(pointwise_rule)
+# masked_fill's rule reads its value (a zero fill is linear); no other pointwise rule does
+FLOAT_VALUE_FREE.update(id(op) for op in pointwise_ops() if base_name(op) != "masked_fill")
 
 
 __all__ = ["PATTERNS", "base_name", "patterns", "pointwise_ops", "pointwise_rule", "strategies"]
