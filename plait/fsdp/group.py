@@ -118,6 +118,20 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    def gather_full(self) -> list[torch.Tensor]:
+        """Every parameter's whole value as a new tensor, from one all-gather, leaving the
+        group sharded (state dicts: no flat buffer, no copy-out, no clone after it)."""
+        assert self.state is ShardedState.SHARDED and self._gather is None, f"{self.name}: {self.state}"
+        for p in self.params:
+            p.refresh_sharded()
+        inp = torch.empty(self.total, dtype=self.param_dtype, device=self.device)  # (S,)
+        with torch.no_grad():
+            for p, off, size in zip(self.params, self.offsets, self.sizes):
+                p.copy_in(inp[off:off + size])
+            gathered = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True).wait()
+            return [p.full_from(gathered[:, off:off + size]) for p, off, size in
+                    zip(self.params, self.offsets, self.sizes)]  # (N, S) -> each (N, P_i) -> its shape
+
     def wait_for_unshard(self) -> None:
         """Finish the all-gather in flight: copy out into the flat buffer, expose the views."""
         if self._gather is None:

@@ -152,6 +152,12 @@ class FSDPParam:
                                           requires_grad=self.requires_grad)
         self.unsharded.data = view
 
+    def full_from(self, block: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (TP-local), contiguous, from its column block (world,
+        padded_numel) of a gathered (N, S): rank-major rows, the real ones a prefix."""
+        rows = block.reshape(-1)[: self.numel].view(self.rows, *self.rest)  # one copy (the block is strided)
+        return rows if self.dim == 0 else rows.movedim(0, self.dim).contiguous()
+
     def fill_grad(self, dst: torch.Tensor) -> bool:
         """Write the unsharded gradient (plus any accumulated one) into `dst` (world,
         padded_numel), a strided column block of the uninitialised reduce-scatter input,
