@@ -8,7 +8,7 @@
                param i's block (N*P_i,) whose first numel_i elements are its unsharded view
     reshard:   the sharded DTensors go back on the module; the flat buffer's storage is
                resized to 0 (the views keep their shapes, the memory is freed)
-    reduce:    unsharded grads -> reduce-scatter input (N, S) rank-major, padding zero, in
+    reduce:    unsharded grads -> reduce-scatter input (N, S) rank-major, padding zeroed, in
                reduce_dtype -> one reduce-scatter (sum) on the shard axis -> (S,) -> HSDP:
                all-reduce on the replicate axis -> / data-parallel size -> sharded .grad
 
@@ -86,6 +86,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        self.grad_dtype: torch.dtype | None = None  # the sharded .grad's; None: each parameter's own
         self.unshard_count = 0  # all-gathers issued (tests count them)
 
     # -- parameters --------------------------------------------------------------------------
@@ -97,7 +98,7 @@ class ParamGroup:
     @property
     def unsharded_bytes(self) -> int:
         """Bytes of the flat unsharded buffer (N*S elements in param_dtype)."""
-        return self.world * self.total * torch.empty((), dtype=self.param_dtype).element_size()
+        return self.world * self.total * self.param_dtype.itemsize
 
     @property
     def gather_pending(self) -> bool:
@@ -116,6 +117,20 @@ class ParamGroup:
             self.unshard_count += 1
         if not async_op:
             self.wait_for_unshard()
+
+    def gather_full(self) -> list[torch.Tensor]:
+        """Every parameter's whole value as a new tensor, from one all-gather, leaving the
+        group sharded (state dicts: no flat buffer, no copy-out, no clone after it)."""
+        assert self.state is ShardedState.SHARDED and self._gather is None, f"{self.name}: {self.state}"
+        for p in self.params:
+            p.refresh_sharded()
+        inp = torch.empty(self.total, dtype=self.param_dtype, device=self.device)  # (S,)
+        with torch.no_grad():
+            for p, off, size in zip(self.params, self.offsets, self.sizes):
+                p.copy_in(inp[off:off + size])
+            gathered = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True).wait()
+            return [p.full_from(gathered[:, off:off + size]) for p, off, size in
+                    zip(self.params, self.offsets, self.sizes)]  # (N, S) -> each (N, P_i) -> its shape
 
     def wait_for_unshard(self) -> None:
         """Finish the all-gather in flight: copy out into the flat buffer, expose the views."""
@@ -171,7 +186,8 @@ class ParamGroup:
         if not self.has_grads():
             return  # every rank skips alike: the group took no part in this backward
         n = self.world
-        rs_in = torch.zeros(n, self.total, dtype=self.reduce_dtype, device=self.device)  # (N, S)
+        # (N, S); each parameter writes its block and zeroes its padding (no whole-buffer memset)
+        rs_in = torch.empty(n, self.total, dtype=self.reduce_dtype, device=self.device)
         with torch.no_grad():
             for p, off, size in zip(self.params, self.offsets, self.sizes):
                 p.fill_grad(rs_in[:, off:off + size])
@@ -192,7 +208,7 @@ class ParamGroup:
         reduced.div_(self.dp_size)
         with torch.no_grad():
             for p, off, size in zip(self.params, self.offsets, self.sizes):
-                p.take_shard_grad(reduced[off:off + size])
+                p.take_shard_grad(reduced[off:off + size], self.grad_dtype)
 
 
 __all__ = ["ParamGroup", "ReduceQueue", "ShardedState"]

@@ -152,12 +152,20 @@ class FSDPParam:
                                           requires_grad=self.requires_grad)
         self.unsharded.data = view
 
+    def full_from(self, block: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (TP-local), contiguous, from its column block (world,
+        padded_numel) of a gathered (N, S): rank-major rows, the real ones a prefix."""
+        rows = block.reshape(-1)[: self.numel].view(self.rows, *self.rest)  # one copy (the block is strided)
+        return rows if self.dim == 0 else rows.movedim(0, self.dim).contiguous()
+
     def fill_grad(self, dst: torch.Tensor) -> bool:
         """Write the unsharded gradient (plus any accumulated one) into `dst` (world,
-        padded_numel), a strided column block of the reduce-scatter input whose padding is
-        zero already. Returns False when there is no gradient."""
+        padded_numel), a strided column block of the uninitialised reduce-scatter input,
+        and zero its padding (the last numel..world*padded_numel elements in rank-major
+        order). Returns False (dst all zero) when there is no gradient."""
         grad = self._unsharded_grad()
         if grad is None and self.acc_grad is None:
+            dst.zero_()
             return False
         if grad is not None:
             rows = (grad if self.dim == 0 else grad.movedim(self.dim, 0)).reshape(-1)
@@ -170,6 +178,9 @@ class FSDPParam:
             dst[:full].copy_(rows[: full * self.padded_numel].view(full, self.padded_numel))
         if rem:
             dst[full, :rem].copy_(rows[full * self.padded_numel:])
+            dst[full, rem:].zero_()
+        if full + (rem > 0) < self.world:
+            dst[full + (rem > 0):].zero_()
         self.clear_grad()
         return True
 
@@ -201,19 +212,54 @@ class FSDPParam:
             self.unsharded.grad = None
         self.acc_grad = None
 
-    def take_shard_grad(self, piece: torch.Tensor) -> None:
-        """Add rank r's reduced piece (padded_numel,) to the sharded .grad."""
+    def take_shard_grad(self, piece: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Add rank r's reduced piece (padded_numel,) to the sharded .grad, which is kept in
+        `dtype` (None: the parameter's own; FSDP1's keep_low_precision_grads: param_dtype)."""
+        dtype = dtype or self.orig_dtype
         local = piece[: self.local_rows * self.row_numel].view(self.local_rows, *self.rest)
         if self.dim != 0:
             local = local.movedim(0, self.dim)
-        local = local.to(device=self.local.device, dtype=self.orig_dtype)
         grad = self.sharded.grad
-        if grad is None:
-            if local.untyped_storage().data_ptr() == piece.untyped_storage().data_ptr():
-                local = local.clone()  # do not keep the whole reduce-scatter output alive
-            self.sharded.grad = DTensor(local.contiguous(), self.sharded._spec, requires_grad=False)
-        else:
-            grad._local_tensor.add_(local)
+        if grad is not None and grad.dtype == dtype:
+            # fully_shard casts the piece to the grad's dtype, then adds (as torch's FSDP2);
+            # a low-precision grad adds the piece as it is (reduce_dtype, float32) and rounds
+            # once, as torch's FSDP1 (upcast, accumulate, cast down) does
+            low = dtype != self.orig_dtype
+            grad._local_tensor.add_(local.to(device=self.local.device, dtype=None if low else dtype))
+            return
+        local = local.to(device=self.local.device, dtype=dtype)
+        if grad is not None:  # kept from a step of another grad dtype: add in the wider one
+            local = (grad._local_tensor.to(torch.promote_types(grad.dtype, local.dtype)) + local).to(dtype)
+        elif local.untyped_storage().data_ptr() == piece.untyped_storage().data_ptr():
+            local = local.clone()  # do not keep the whole reduce-scatter output alive
+        spec = self.sharded._spec
+        if dtype != spec.dtype:
+            spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, dtype)
+        set_grad(self.sharded, DTensor(local.contiguous(), spec, requires_grad=False))
+
+
+def set_grad(param: nn.Parameter, grad: torch.Tensor | None) -> None:
+    """`param.grad = grad`, also when grad's dtype is not param's (FSDP1's
+    keep_low_precision_grads: a float32 parameter with a bfloat16 .grad).
+
+    Autograd refuses a .grad of another dtype, so a placeholder of param's dtype and shape is
+    assigned (no memory: a DTensor wrapper over grad's local tensor, or an expanded scalar)
+    and grad's metadata is then swapped in with .data, torch's FSDP1's way around the same
+    check. Only the optimizer reads such a .grad: autograd never accumulates into a sharded
+    parameter's, and the next take_shard_grad adds to it in place."""
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    if isinstance(grad, DTensor):
+        spec = grad._spec
+        holder = DTensor(grad._local_tensor, DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride,
+                                                         param.dtype), requires_grad=False)
+        param.grad = holder
+        holder.data = grad  # the wrapper's dtype becomes grad's ...
+        holder._spec = spec  # ... and so does the spec the dispatcher reads
+        return
+    param.grad = torch.empty((), dtype=param.dtype, device=grad.device).expand(grad.shape)
+    param.grad.data = grad
 
 
 def dp_tp_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dp_placement: Shard) \
@@ -229,4 +275,4 @@ def dp_tp_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dp_placement: Shard)
     return mesh, tuple(by_axis[i] for i in order)
 
 
-__all__ = ["FSDPParam", "dp_tp_layout"]
+__all__ = ["FSDPParam", "dp_tp_layout", "set_grad"]

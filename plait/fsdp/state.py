@@ -27,7 +27,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from plait.fsdp.api import MixedPrecisionPolicy
-from plait.fsdp.group import ParamGroup, ReduceQueue
+from plait.fsdp.group import ParamGroup, ReduceQueue, ShardedState
 
 _dynamo_disable = torch._disable_dynamo
 
@@ -113,15 +113,16 @@ class FSDPState:
             if id(param) in fsdp_of:
                 fsdp_of[id(param)].fqn = fqn
 
-    def _unsharded_groups(self) -> int:
-        return sum(1 for s in self.ctx.states if s.group is not None and not s.is_root
-                   and (s.group.is_unsharded or s.group.gather_pending))
-
     def _note_peak(self) -> None:
+        """Update the peaks of unsharded groups and bytes (one pass: it runs at every unshard)."""
         ctx = self.ctx
-        ctx.peak_unsharded = max(ctx.peak_unsharded, self._unsharded_groups())
-        live = sum(s.group.unsharded_bytes for s in ctx.states
-                   if s.group is not None and (s.group.is_unsharded or s.group.gather_pending))
+        groups = live = 0
+        for s in ctx.states:
+            g = s.group
+            if g is not None and (g.state is ShardedState.UNSHARDED or g._gather is not None):
+                live += g.unsharded_bytes
+                groups += not s.is_root
+        ctx.peak_unsharded = max(ctx.peak_unsharded, groups)
         ctx.peak_unsharded_bytes = max(ctx.peak_unsharded_bytes, live)
 
     def unshard(self) -> None:

@@ -1,13 +1,15 @@
 """__torch_dispatch__ for DTensor: look up the call's plan, move inputs, run locally, wrap.
 
     key = (id(op), spec of every DTensor arg, every other arg)    one tuple hash per call
+          (a float arg of a pointwise op by its type: its value changes no plan)
     plan = cache[key] or planner.build(...)                   rule -> steps + output specs
     run:  local_i = steps_i(dtensor_i local) -> op(locals) -> wrap with the output specs
 
 Steady state a call costs the key's hash, the collectives its inputs need (usually
 none), the local op and one wrapper per output; specs come from the plan, so no spec is
 created. `Plan.fast` marks the common case (DTensors only as positional args, nothing
-to move, one output) that skips the general bookkeeping. An op that writes an argument
+to move, one output) that skips the general bookkeeping; `Plan.fast_inplace` the same for
+an op that writes and returns one of its DTensor args. An op that writes an argument
 in place returns that same DTensor object.
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from plait.tensor import redistribute as redist
 from plait.tensor.dtensor import DTensor, wrap
+from plait.tensor.ops.registry import FLOAT_VALUE_FREE
 from plait.tensor.spec import DTensorSpec
 
 MAX_CACHED = 16384
@@ -28,6 +31,7 @@ def dispatch(op, args: tuple, kwargs: dict):
     dts: list[DTensor] = []
     key: list = [id(op)]  # an OpOverload hashes in Python; its id in C
     append = key.append
+    free = id(op) in FLOAT_VALUE_FREE  # a float argument is keyed by its type, not its value
     for a in args:
         t = type(a)
         if t is DTensor:
@@ -37,11 +41,11 @@ def dispatch(op, args: tuple, kwargs: dict):
         elif t is list or t is tuple or isinstance(a, _Tensor):
             append(_key(op, a, dts))
         else:
-            append(a)
+            append(float if free and t is float else a)
     if kwargs:
         for k, v in kwargs.items():
             append(k)
-            append(_key(op, v, dts))
+            append(float if free and type(v) is float else _key(op, v, dts))
     key_t = tuple(key)
     try:
         plan = _plans.get(key_t)
@@ -57,6 +61,12 @@ def dispatch(op, args: tuple, kwargs: dict):
         for i, dt in zip(plan.fast, dts):
             la[i] = dt._local if dt._pending is None else dt._local_tensor
         return wrap(plan.raw_op(*la, **kwargs) if kwargs else plan.raw_op(*la), plan.out_specs[0])
+    if plan.fast_inplace is not None:
+        la = list(args)
+        for i, dt in zip(plan.fast_inplace, dts):
+            la[i] = dt._local if dt._pending is None else dt._local_tensor
+        plan.raw_op(*la, **kwargs) if kwargs else plan.raw_op(*la)
+        return dts[plan.returns[0]]
     return plan.run(args, kwargs, dts)
 
 
@@ -83,7 +93,7 @@ class Plan:
     """Everything about one call signature that does not depend on tensor values."""
 
     __slots__ = ("op", "raw_op", "mesh", "steps", "out_specs", "local_fn", "positions", "returns",
-                 "moved", "is_view", "fast")
+                 "moved", "is_view", "fast", "fast_inplace")
 
     def __init__(self, op, mesh, steps, out_specs, local_fn, positions, returns, moved) -> None:
         self.op, self.raw_op, self.mesh = op, op._op, mesh
@@ -99,6 +109,10 @@ class Plan:
                   and len(rets) == 1 and len(out_specs) == 1 and all(s is None for s in steps)
                   and all(where is None for where, _ in positions))
         self.fast = tuple(i for _, i in positions) if simple else None  # arg index of each DTensor
+        # the in-place twin (an optimizer's x.mul_(b).add_(g)): returns the one DTensor it writes
+        inplace = (local_fn is None and returns is not None and len(returns) == 1 and not moved
+                   and all(s is None for s in steps) and all(where is None for where, _ in positions))
+        self.fast_inplace = tuple(i for _, i in positions) if inplace else None
 
     def run(self, args: tuple, kwargs: dict, dts: list[DTensor]):
         mesh = self.mesh

@@ -63,6 +63,7 @@ def flatten(out) -> list:
 class FallbackPlan:
     __slots__ = ("op", "mesh", "steps", "positions", "written", "returns", "specs")
     fast = None  # never dispatch's fast path
+    fast_inplace = None
 
     def __init__(self, op, mesh, specs, positions, written, returns) -> None:
         self.op, self.mesh, self.specs = op, mesh, specs

@@ -29,6 +29,7 @@ class ByMeshPlan:
     """A plan for one foreach call signature whose lists span several meshes."""
 
     fast = None
+    fast_inplace = None
 
     def __init__(self, op) -> None:
         self.op = op

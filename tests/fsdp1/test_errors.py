@@ -43,8 +43,6 @@ def test_bad_input():
         FSDP(build("mlp"), device_mesh=init_device_mesh("cpu", (1, 2)))
     with pytest.raises(TypeError, match=r"MixedPrecision\(buffer_dtype=torch.int64\) must be a floating dtype"):
         FSDP(build("mlp"), mixed_precision=MixedPrecision(buffer_dtype=torch.int64))
-    with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
-        FSDP(build("mlp"), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True))
     model = wrap(build("mlp"))
     with pytest.raises(ValueError, match="MLP is already sharded"):
         FSDP(model)

@@ -42,6 +42,7 @@ from plait.fsdp.fsdp1.api import (
     StateDictSettings,
     StateDictType,
 )
+from plait.fsdp.param import set_grad
 from plait.tensor import DTensor
 from plait.tensor.placement import chunk_offset
 
@@ -108,17 +109,20 @@ def _gather_unit(unit: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     group = unit._plait_fsdp_state.group
     if group is None or any(fp.orig_dtype != group.param_dtype for fp in group.params):
         return {}
-    was_unsharded = group.is_unsharded
-    group.unshard()
     paths = {id(m): path for path, m in nn.Module.named_modules(unit)}
+    was_unsharded = group.is_unsharded
+    if was_unsharded or group.gather_pending or any(fp.tp_spec is not None for fp in group.params):
+        group.unshard()  # (summon_full_params, SHARD_GRAD_OP between forward and backward)
+        with torch.no_grad():
+            fulls = [fp.unsharded.detach().clone() for fp in group.params]  # the flat buffer is freed on reshard
+        if not was_unsharded:
+            group.reshard()
+    else:
+        fulls = group.gather_full()  # new tensors, straight from the all-gather's output
     out = {}
-    with torch.no_grad():
-        for fp in group.params:
-            full = fp.unsharded.detach().clone()  # the flat buffer is freed on reshard
-            for module, name in fp.sites:
-                out[prefix + _clean(paths[id(module)] + "." if paths[id(module)] else "") + name] = full
-    if not was_unsharded:
-        group.reshard()
+    for fp, full in zip(group.params, fulls):
+        for module, name in fp.sites:
+            out[prefix + _clean(paths[id(module)] + "." if paths[id(module)] else "") + name] = full
     return out
 
 
@@ -330,7 +334,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             if offload_to_cpu:
                 whole = whole.cpu()
             p = nn.Parameter(whole, requires_grad=fp.requires_grad)
-            p.grad = grad
+            set_grad(p, grad)  # keep_low_precision_grads: a grad of the compute dtype
             if keep:
                 fp.register(p)
             full.append((fp, p))

@@ -26,15 +26,21 @@ Where plait differs from torch, and why:
   step the gathered copy lives beside the shard (torch's NO_SHARD holds one copy).
 - HYBRID_SHARD without device_mesh or a group pair raises: torch infers the node size
   from the CUDA device count, which a CPU/Gloo job does not have.
-- keep_low_precision_grads=True raises NotImplementedError (reason at the check);
-  limit_all_gathers is accepted and has no effect (the engine frees each unit's gathered
+- limit_all_gathers is accepted and has no effect (the engine frees each unit's gathered
   parameters as it goes and prefetches at most one unit ahead).
+
+keep_low_precision_grads=True, as torch's: after backward each sharded parameter's .grad is
+in param_dtype (its reduced float32 sum cast down once; a kept .grad is added to in float32
+and cast down once), while the parameter keeps its own dtype; an optimizer must accept
+that (SGD does; torch's AdamW raises on the dtype mismatch, with either library).
+clip_grad_norm_ computes norms in float32 and returns the norm in the grads' dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -110,12 +116,6 @@ class FullyShardedDataParallel(nn.Module):
         if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
             raise TypeError(f"{where}: cpu_offload must be a CPUOffload, got {type(cpu_offload).__name__}")
         check_mixed_precision(mixed_precision, where)
-        if mixed_precision is not None and mixed_precision.keep_low_precision_grads:
-            # TODO(keep_low_precision_grads): a .grad of another dtype than its parameter is
-            # refused by autograd; torch swaps .data behind it, which DTensor grads do not allow
-            raise NotImplementedError(f"{where}: MixedPrecision(keep_low_precision_grads=True) is not supported "
-                                      "by plait; gradients land in the parameters' dtype (what the optimizer "
-                                      "steps on)")
         ignored_mods, ignored_params = _ignored(module, ignored_modules, ignored_states, where)
         dtype = fsdp1_init.device_type(device_id)
         mesh = _mesh if _mesh is not None else fsdp1_init.build_mesh(process_group, device_mesh, strategy, dtype,
@@ -160,6 +160,8 @@ class FullyShardedDataParallel(nn.Module):
         state.name = name
         if state.group is not None:
             state.group.name = name
+            if mp.keep_low_precision_grads:  # the sharded .grad stays in the compute dtype
+                state.group.grad_dtype = mp.param_dtype
         if not forward_prefetch:
             state.forward_prefetch = []
         if backward_prefetch is None:
@@ -248,21 +250,26 @@ class FullyShardedDataParallel(nn.Module):
         plain = [g for g in grads if not isinstance(g, DTensor)]  # ignored params: replicated, whole
         group = self._device_mesh.get_group(self._device_mesh.ndim - 1)
         device = sharded[0].device if sharded else plain[0].device if plain else torch.device("cpu")
+        f32 = torch.float32  # low-precision grads (keep_low_precision_grads) are summed in float32, as torch's
+
+        def norm(g: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.vector_norm(g, norm_type, dtype=f32)
+
         if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in sharded]).max().float() if sharded else \
-                torch.zeros((), device=device)
+            local = torch.stack([norm(g) for g in sharded]).max() if sharded else torch.zeros((), device=device)
             comm.all_reduce(local, group=group, op="max")
-            total = torch.stack([local, *[g.abs().max().float() for g in plain]]).max()
+            total = torch.stack([local, *[norm(g) for g in plain]]).max()
         else:
-            local = sum((torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in sharded),
-                        torch.zeros((), device=device))
+            local = sum((norm(g) ** norm_type for g in sharded), torch.zeros((), device=device))
             comm.all_reduce(local, group=group)
-            total = (local + sum((torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in plain),
+            total = (local + sum((norm(g) ** norm_type for g in plain),
                                  torch.zeros((), device=device))) ** (1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in [*sharded, *plain]:
             g.mul_(coef.to(g.dtype))
-        return total
+        if not grads:
+            return total
+        return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))  # torch's return dtype
 
     # summon_full_params, state_dict_type & co. live in state_dict.py; bound below
     summon_full_params = staticmethod(sd_hooks.summon_full_params)

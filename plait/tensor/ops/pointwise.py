@@ -20,7 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plait.tensor.ops.registry import OpCall, Sharding, aten, partial_ops, partials, register
+from plait.tensor.ops.registry import (
+    FLOAT_VALUE_FREE,
+    OpCall,
+    Sharding,
+    aten,
+    partial_ops,
+    partials,
+    register,
+)
 from plait.tensor.placement import Partial, Replicate, Shard
 from plait.tensor.spec import DTensorSpec
 
@@ -130,12 +138,19 @@ def strategies(specs: Sequence[DTensorSpec], out_shape: Sequence[int], patterns:
 
 
 def pointwise_rule(call: OpCall) -> Sharding:
-    outs = [o for o in call.outs if o is not None]
+    outs = [o for o in call.outs or () if o is not None]
     moves = base_name(call.op) in MOVES
-    return call.choose(strategies(call.specs, tuple(outs[0].shape), patterns_for(call), len(call.outs), moves))
+    # no meta outputs: the op refused meta tensors (e.g. lerp_ of a float32 self with a
+    # bfloat16 end); for an in-place op plan on self's shape so that the local op raises
+    # torch's own error, with nothing sent
+    shape = tuple(outs[0].shape) if outs else tuple(call.specs[0].shape)
+    n_out = len(call.outs) if call.outs is not None else 1
+    return call.choose(strategies(call.specs, shape, patterns_for(call), n_out, moves))
 
 
 register(*pointwise_ops())(pointwise_rule)
+# masked_fill's rule reads its value (a zero fill is linear); no other pointwise rule does
+FLOAT_VALUE_FREE.update(id(op) for op in pointwise_ops() if base_name(op) != "masked_fill")
 
 
 __all__ = ["PATTERNS", "base_name", "patterns", "pointwise_ops", "pointwise_rule", "strategies"]

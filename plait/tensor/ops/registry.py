@@ -73,14 +73,20 @@ class Sharding:
 
 Rule = Callable[[OpCall], Sharding]
 RULES: dict[OpOverload, Rule] = {}
+# ids of ops whose plan never depends on the value of a Python float argument (pointwise
+# ops: x * 0.5 and x * 0.25 shard alike): dispatch keys such a float by its type, so an
+# optimizer's per-step scalars (AdamW's step size, bias corrections) reuse one plan
+FLOAT_VALUE_FREE: set[int] = set()
 
 
 def register(*ops: OpOverload) -> Callable[[Rule], Rule]:
-    """Register `rule` for every op in `ops` (later registrations override)."""
+    """Register `rule` for every op in `ops` (later registrations override, and drop the
+    op from FLOAT_VALUE_FREE: the new rule may read values)."""
 
     def decorate(rule: Rule) -> Rule:
         for op in ops:
             RULES[op] = rule
+            FLOAT_VALUE_FREE.discard(id(op))
         return rule
 
     return decorate
