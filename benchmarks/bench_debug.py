@@ -6,7 +6,10 @@
       PLAIT_TRACE_STACKS=1 / PLAIT_DISTRIBUTED_DEBUG=DETAIL (log lines to a file) — and a
       sample is the slowest rank's step; the table shows medians and the ratio to "off".
       Real rank processes (env://, TCPStore), as in a job, not the test pool
-    per op: the same settings around a 4 KiB all-reduce, microseconds per op
+    per op: the same settings around a 4 KiB all-reduce, microseconds per op; and the door's
+      own bookkeeping per op with no transport: an all-reduce on a group of one, and a p2p
+      send's event and handle (plait.comm.p2p's _begin and a completed Handle, what the
+      pipeline runtime pays per transfer besides Gloo)
     hang: 2 real rank processes, rank 1 sleeps past PLAIT_COLLECTIVE_TIMEOUT before an
       all-reduce; seconds from rank 0 entering it to the report (dump written) and to its
       exit, against the timeout (goal: timeout + at most 2 s)
@@ -32,6 +35,9 @@ import torch.distributed as dist
 from benchmarks.common import median, print_table, slowest_rank_time
 from benchmarks.models import GPT, GPTConfig, lm_loss, random_tokens
 from plait import comm, debug
+from plait.comm import p2p
+from plait.comm.group import group_info
+from plait.comm.work import Handle
 from plait.ddp import DistributedDataParallel
 
 WORLD = 2
@@ -43,6 +49,10 @@ SETTINGS = {  # name -> plait.debug.configure(...) arguments
     "recorder + TRACE_STACKS": dict(level="OFF", buffer_size=2000, stacks=True),
     "DETAIL": dict(level="DETAIL", buffer_size=2000, stacks=False),
 }
+
+
+def _nothing() -> None:
+    return None
 
 
 def free_port() -> int:
@@ -84,10 +94,19 @@ def _measure(quick: bool, log_path: str) -> dict:
             comm.all_reduce(small, group=solo)
         return (time.perf_counter() - t0) / solo_ops
 
+    solo_info = group_info(solo)  # its p2p sequence numbers are nobody else's
+
+    def p2p_door() -> float:
+        t0 = time.perf_counter()
+        for _ in range(solo_ops):
+            Handle(None, _nothing, p2p._begin("send", small, 0, solo_info, True)).wait()
+        return (time.perf_counter() - t0) / solo_ops
+
     rounds = 6 if quick else 20
     steps: dict[str, list[float]] = {name: [] for name in SETTINGS}
     per_op: dict[str, list[float]] = {name: [] for name in SETTINGS}
     door: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    door_p2p: dict[str, list[float]] = {name: [] for name in SETTINGS}
     previous = debug.current_config()
     try:
         for _ in range(2):
@@ -99,6 +118,7 @@ def _measure(quick: bool, log_path: str) -> dict:
                 steps[name].append(slowest_rank_time(step, group))
                 per_op[name].append(slowest_rank_time(ops, group) / ops_per_sample)
                 door[name].append(local_ops())
+                door_p2p[name].append(p2p_door())
     finally:
         from plait.debug import session
 
@@ -106,7 +126,8 @@ def _measure(quick: bool, log_path: str) -> dict:
         logger.removeHandler(handler)
         handler.close()
     return {"steps": {n: median(v) for n, v in steps.items()}, "per_op": {n: median(v) for n, v in per_op.items()},
-            "door": {n: median(v) for n, v in door.items()}, "rounds": rounds, "ops": ops_per_sample}
+            "door": {n: median(v) for n, v in door.items()},
+            "door_p2p": {n: median(v) for n, v in door_p2p.items()}, "rounds": rounds, "ops": ops_per_sample}
 
 
 HANG_SCRIPT = textwrap.dedent("""
@@ -184,19 +205,22 @@ def _overheads(quick: bool) -> dict:
 
 def run(quick: bool) -> None:
     r = _overheads(quick)
-    off_step, off_op, off_door = (r[k]["recorder off"] for k in ("steps", "per_op", "door"))
+    off_step, off_op, off_door, off_p2p = (r[k]["recorder off"] for k in ("steps", "per_op", "door", "door_p2p"))
     goals = {"recorder on (default)": "<= 1.02"}
     rows = [[name, f"{r['steps'][name] * 1e3:.1f}", f"{r['steps'][name] / off_step:.3f}", goals.get(name, "report"),
              f"{r['per_op'][name] * 1e6:.1f}", f"{(r['per_op'][name] - off_op) * 1e6:+.1f}",
-             f"{(r['door'][name] - off_door) * 1e6:+.2f}"] for name in SETTINGS]
+             f"{(r['door'][name] - off_door) * 1e6:+.2f}", f"{(r['door_p2p'][name] - off_p2p) * 1e6:+.2f}"]
+            for name in SETTINGS]
     print_table(
         f"plait.debug overhead: DDP step (GPT small, batch {BATCH_PER_RANK}/rank, AdamW, {WORLD} ranks Gloo) "
         f"and a 4 KiB all-reduce",
-        ["setting", "step ms", "step / off", "goal", "µs per all-reduce", "vs off", "µs added per op, no transport"],
+        ["setting", "step ms", "step / off", "goal", "µs per all-reduce", "vs off", "µs added per op, no transport",
+         "µs added per p2p op, no transport"],
         rows,
         notes=f"Medians of {r['rounds']} alternating rounds (slowest rank); per-op figures average "
-              f"{r['ops']} back-to-back all-reduces on 2 ranks; the last column times {20 * r['ops']} all-reduces "
+              f"{r['ops']} back-to-back all-reduces on 2 ranks; 'no transport' times {20 * r['ops']} all-reduces "
               f"on a group of one (the door and its listeners alone: {off_door * 1e6:.2f} µs/op with the recorder "
+              f"off), and as many sends' events and completed handles without Gloo ({off_p2p * 1e6:.2f} µs/op "
               "off). DETAIL compares fingerprints through the c10d store before every collective (not on a group "
               "of one) and logs every op (here to a file).",
     )

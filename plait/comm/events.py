@@ -1,7 +1,7 @@
 """What the door reports: one `CommEvent` per collective or p2p op, to every listener.
 
     op called -> seq += 1 on its group -> [listeners] on_start(event) -> c10d op issued
-              -> handle.wait() / future done -> event.end set -> [listeners] on_end(event)
+              -> handle.wait() / future done -> event.end_ns set -> [listeners that want it] on_end(event)
 
 A listener may raise in `on_start` to stop an op before anything is sent (the debug
 layer's consistency check does). With no listener installed the door builds no event:
@@ -56,7 +56,11 @@ class CommEvent:
 
 class CommListener:
     """Base class for listeners; override what you need. Called on the issuing thread
-    (`on_end` may run on the backend's completion thread for futures)."""
+    (`on_end` may run on the backend's completion thread for futures). A listener whose
+    `wants_end` is False when it is installed is not called at completion: it reads
+    `event.end_ns`, which the door sets, when it needs it (the flight recorder does)."""
+
+    wants_end = True
 
     def on_start(self, event: CommEvent) -> None:
         pass
@@ -67,6 +71,7 @@ class CommListener:
 
 _lock = threading.Lock()
 _listeners: tuple[CommListener, ...] = ()  # every listener the door calls, in order
+_enders: tuple[CommListener, ...] = ()  # those of them called at completion
 # plait.debug's session (flight recorder, checks, watchdog): called first, so a check that
 # stops an op does so before any other listener sees it; not one of `listeners()`
 _debug: CommListener | None = None
@@ -77,27 +82,31 @@ def listeners() -> tuple[CommListener, ...]:
     return _listeners if _debug is None else _listeners[1:]
 
 
+def _set(listeners: tuple[CommListener, ...]) -> None:
+    global _listeners, _enders
+    _listeners = listeners
+    _enders = tuple(x for x in listeners if getattr(x, "wants_end", True))
+
+
 def add_listener(listener: CommListener) -> None:
-    global _listeners
     with _lock:
         if listener not in _listeners:
-            _listeners = (*_listeners, listener)
+            _set((*_listeners, listener))
 
 
 def remove_listener(listener: CommListener) -> None:
-    global _listeners
     with _lock:
         if listener is not _debug:
-            _listeners = tuple(x for x in _listeners if x is not listener)
+            _set(tuple(x for x in _listeners if x is not listener))
 
 
 def set_debug_listener(listener: CommListener | None) -> None:
     """Install (or, with None, remove) plait.debug's session ahead of every other listener."""
-    global _listeners, _debug
+    global _debug
     with _lock:
         others = _listeners if _debug is None else _listeners[1:]
         _debug = listener
-        _listeners = others if listener is None else (listener, *others)
+        _set(others if listener is None else (listener, *others))
 
 
 @contextlib.contextmanager
@@ -117,5 +126,5 @@ def emit_start(event: CommEvent) -> None:
 
 def emit_end(event: CommEvent) -> None:
     event.end_ns = time.perf_counter_ns()
-    for listener in _listeners:
+    for listener in _enders:
         listener.on_end(event)

@@ -62,6 +62,9 @@ class Handle:
         # bound at definition: a handle collected during finalization finds the module cleared
         if not self._done and self._work is not None:
             _dropped(self._work)
+            event = self._event
+            if event is not None and self._work.is_completed():
+                event.work = None  # a flight recorder keeps the event: not the Work's buffers
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()

@@ -58,9 +58,11 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     """The innermost user frame at or above `frame`; else the innermost frame outside
     plait.comm and plait.debug (the library line that issued the op)."""
     fallback = None
+    internal = _internal
     while frame is not None:
         code = frame.f_code
-        if not _is_internal(code):
+        known = internal.get(code)  # the cache inline: one lookup per frame, no call
+        if not (_is_internal(code) if known is None else known):
             return frame
         if fallback is None and not code.co_filename.startswith(_OURS):
             fallback = frame

@@ -1,13 +1,16 @@
 """The flight recorder: a ring of the last N ops this rank issued, each with its state.
 
-    on_start -> Entry(state="scheduled") -> consistency check passed -> "started"
-             -> on_end (or the watchdog sees the Work done) -> "completed"
-    dump -> [entry.to_dict() for entry in ring], oldest first
+    on_start -> Entry(event, site) into the ring: "scheduled", or "started" at once when no
+             consistency check runs -> the door sets event.end_ns (or the watchdog sees the
+             Work done) -> "completed"
+    dump -> [entry.to_dict() for entry in ring], oldest first: formatted only here
 
-Invariants: an entry holds plain data only — shapes, dtypes, strings, ints, never a tensor
-or a c10d Work — so a full ring keeps no buffer alive; timestamps are taken with
-perf_counter_ns and written as wall-clock nanoseconds, so the dumps of different ranks line up. Appending is one deque append under
-the GIL: the default-on recorder costs a few microseconds per op.
+Invariants: an entry holds the door's event and its call site — shapes, dtypes, strings,
+ints, never a tensor; the event's c10d Work is dropped when the op completes (or its handle
+is dropped) — so a full ring keeps no buffer alive. Timestamps are perf_counter_ns, written
+as wall-clock nanoseconds, so the dumps of different ranks line up. Recording is one small
+object and one deque append under the GIL, and no call at completion: on the hot path the
+default-on recorder costs about a microsecond per op besides the call site's frame walk.
 """
 
 from __future__ import annotations
@@ -37,46 +40,58 @@ def dtype_name(dtype: object) -> str:
 
 
 class Entry:
-    """One op as this rank saw it."""
+    """One op as this rank saw it: a view over the door's event, read when it is dumped.
 
-    __slots__ = (
-        "id", "group", "group_ranks", "rank", "seq", "op", "peer", "input_shapes", "input_dtypes",
-        "output_shapes", "output_dtypes", "reduce_op", "bytes", "impl", "async_op", "state",
-        "t_scheduled", "t_started", "t_completed", "site", "stack", "error",
-    )
+    What the door measured (group, shapes, dtypes, bytes, times) stays in the event and is
+    read through properties; recording an op stores four fields. A completed op is one whose
+    event has its end time (the door sets it), so completion needs no call into the recorder.
+    """
 
-    def __init__(self, id_: int, event: CommEvent, site: Site | None, stack: list[Site] | None) -> None:
+    __slots__ = ("id", "event", "site", "stack", "t_started", "_t_completed", "error")
+
+    def __init__(self, id_: int, event: CommEvent, site: Site | None, stack: list[Site] | None,
+                 t_started: int | None = None) -> None:
         self.id = id_
-        self.group = event.group_name
-        self.group_ranks = event.group_ranks
-        self.rank = event.rank
-        self.seq = event.seq
-        self.op = event.op
-        self.peer = event.peer
-        self.input_shapes = event.input_shapes
-        self.input_dtypes = event.input_dtypes
-        self.output_shapes = event.output_shapes
-        self.output_dtypes = event.output_dtypes
-        self.reduce_op = event.reduce_op
-        self.bytes = event.bytes_sent
-        self.impl = event.impl
-        self.async_op = event.async_op
-        self.state = SCHEDULED
-        self.t_scheduled = event.start_ns  # perf_counter_ns, like t_started and t_completed;
-        self.t_started: int | None = None  # converted to wall-clock ns by to_dict
-        self.t_completed: int | None = None
+        self.event = event  # its Work is dropped when the op completes: no buffer outlives the op
         self.site = site
         self.stack = stack
+        self.t_started = t_started  # perf_counter_ns, like every time here; to_dict writes wall-clock
+        self._t_completed: int | None = None  # set by the watchdog, which sees a Work done before its wait
         self.error: str | None = None
 
+    group = property(lambda self: self.event.group_name)
+    group_ranks = property(lambda self: self.event.group_ranks)
+    rank = property(lambda self: self.event.rank)
+    seq = property(lambda self: self.event.seq)
+    op = property(lambda self: self.event.op)
+    peer = property(lambda self: self.event.peer)
+    input_shapes = property(lambda self: self.event.input_shapes)
+    input_dtypes = property(lambda self: self.event.input_dtypes)
+    output_shapes = property(lambda self: self.event.output_shapes)
+    output_dtypes = property(lambda self: self.event.output_dtypes)
+    reduce_op = property(lambda self: self.event.reduce_op)
+    bytes = property(lambda self: self.event.bytes_sent)
+    impl = property(lambda self: self.event.impl)
+    async_op = property(lambda self: self.event.async_op)
+    t_scheduled = property(lambda self: self.event.start_ns)
+
+    @property
+    def t_completed(self) -> int | None:
+        done = self._t_completed
+        return self.event.end_ns if done is None else done
+
+    @property
+    def state(self) -> str:
+        if self.t_completed is not None:
+            return COMPLETED
+        return SCHEDULED if self.t_started is None else STARTED
+
     def started(self) -> None:
-        self.state = STARTED
         self.t_started = time.perf_counter_ns()
 
     def completed(self, end_perf_ns: int | None = None) -> None:
-        if self.state != COMPLETED:
-            self.state = COMPLETED
-            self.t_completed = time.perf_counter_ns() if end_perf_ns is None else end_perf_ns
+        if self.t_completed is None:
+            self._t_completed = time.perf_counter_ns() if end_perf_ns is None else end_perf_ns
 
     def to_dict(self) -> dict:
         ranks = self.group_ranks
@@ -111,8 +126,9 @@ class Entry:
         }
 
 
-def new_entry(event: CommEvent, site: Site | None, stack: list[Site] | None = None) -> Entry:
-    return Entry(next(_IDS), event, site, stack)
+def new_entry(event: CommEvent, site: Site | None, stack: list[Site] | None = None,
+              t_started: int | None = None) -> Entry:
+    return Entry(next(_IDS), event, site, stack, t_started)
 
 
 class FlightRecorder:
@@ -125,9 +141,10 @@ class FlightRecorder:
         self._ring: deque[Entry] = deque(maxlen=capacity)
         self.total = 0  # ops recorded since start, evicted ones included
 
-    def record(self, event: CommEvent, site: Site | None, stack: list[Site] | None = None) -> Entry:
-        entry = new_entry(event, site, stack)
-        self._ring.append(entry)
+    def record(self, event: CommEvent, site: Site | None, stack: list[Site] | None = None,
+               t_started: int | None = None) -> Entry:
+        entry = Entry(next(_IDS), event, site, stack, t_started)
+        self._ring.append(entry)  # one C call; the deque drops the oldest when full
         self.total += 1
         return entry
 

@@ -5,6 +5,8 @@ everything the config asks for; `configure()` swaps it for another.
         -> watchdog.enter -> [DETAIL] consistency check: a mismatch dumps and raises on
            every rank before anything is sent -> entry "started"
     on_end(event):   entry "completed" -> watchdog.leave -> [DETAIL] log line -> [INFO] tally
+    the default (recorder only): on_start records the entry "started"; no on_end, the
+        entry reads the end time the door writes into its event
     unhandled exception: dump (+ desync report if a collective failed under the watchdog)
     SIGUSR1: dump          exit: [INFO] summary; [watchdog] last state left for peers, and
                           the store's host stays until its peers have ended or reported
@@ -52,6 +54,9 @@ class Session(events.CommListener):
                                  trace_dir=config.trace_dir) if config.wants_watchdog else None
         self.findings: dict = {}  # what a check or the watchdog found: kept in every later dump
         self.signal_pending = recorder is not None
+        # the recorder alone needs nothing at completion: the door is told not to call on_end
+        self.wants_end = not (recorder is not None and self.check is None and self.summary is None
+                              and self.watchdog is None and not config.wants_log)
 
     # -- the door -----------------------------------------------------------------------------
     def on_start(self, event: events.CommEvent) -> None:
@@ -59,6 +64,9 @@ class Session(events.CommListener):
             self._route_signal()
         site = call_site(1)
         trail = stack(1) if self.config.stacks else None
+        if not self.wants_end:  # the recorder alone: no check, so the op starts as it is issued
+            self.recorder.record(event, site, trail, event.start_ns)
+            return
         entry = self.recorder.record(event, site, trail) if self.recorder else new_entry(event, site, trail)
         event.extra[_KEY] = entry
         if self.watchdog is not None:
