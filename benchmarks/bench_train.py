@@ -1,7 +1,7 @@
 """`plait train` layouts on the same model and global batch: tokens/s and peak memory per rank.
 
 The small config's model (0.8M parameters, byte vocabulary), global batch 16 x 128 tokens, on
-1 rank, data parallel (dp_replicate: HSDP with a shard axis of 1), FSDP, TP (+SP), PP (1F1B,
+1 rank, data parallel (dp_replicate alone: plait.ddp.replicate), FSDP, TP (+SP), PP (1F1B,
 4 microbatches), FSDP x TP, FSDP x PP (4 ranks) and FSDP x TP x PP (8 ranks). Throughput is
 the median over the timed steps (the first two, with warm-up, excluded) of the global tokens/s
 as the trainer logs it; peak memory the max over ranks of the peak RSS (CPU).

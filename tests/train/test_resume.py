@@ -58,3 +58,25 @@ def test_save_on_8_ranks_resume_on_4_with_another_layout(resume_layout):
             model.load_state_dict(tensors)  # full shapes, one process
     finally:
         shutil.rmtree(job, ignore_errors=True)
+
+
+@pytest.mark.parametrize("save, resume", [
+    (["--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"], ["--parallel.dp_shard", "4"]),
+    (["--parallel.dp_shard", "4"], ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                                    "--parallel.tp", "2"]),
+], ids=["ddp4_to_fsdp4", "fsdp4_to_ddp2_x_tp2"])
+def test_resume_across_ddp_and_fsdp(save, resume):
+    """Plain replicated tensors (replicate) saved, Shard(0) DTensors (fully_shard) loaded, and the
+    other way round (into DDP x TP's tp-sharded DTensors): the next steps equal the 1-rank run."""
+    ref = reference()
+    job = tempfile.mkdtemp(prefix="plait-resume-ddp-")
+    try:
+        run_distributed(run_tiny, [*CKPT, *save], job, world_size=4)
+        shutil.rmtree(Path(job) / "checkpoints" / "step-000010")
+        for got in run_distributed(run_tiny, [*CKPT, *resume], job, world_size=4):
+            assert got["start"] == 5
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][5:]), **TOL)
+            torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"][5:]),
+                                       **TOL)
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
