@@ -8,7 +8,10 @@ the one named N-D mesh.
       dp        dp_replicate * dp_shard, flattened: the data-parallel ranks (each its own batch slice)
       fsdp      what fully_shard takes: mesh["dp_shard"] (FSDP) or mesh["dp_replicate",
                 "dp_shard"] (HSDP); over TP, this pipeline rank's own 2-D (dp, tp) slice,
-                which plait.fsdp requires as the TP parameters' root
+                which plait.fsdp requires as the TP parameters' root; None without dp_shard
+      replicate pure data parallel (dp_replicate > 1, dp_shard == 1): mesh["dp_replicate"], what
+                plait.ddp.replicate takes (DDP semantics, as torchtitan runs pure DP); its
+                parameters may be TP DTensors on mesh["tp"] (replicate reduces their local shards)
       tp        tensor (and sequence) parallel
 
 Global rank order is row-major over (pp, dp_replicate, dp_shard, tp): tp ranks are neighbours
@@ -78,9 +81,10 @@ def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size:
     elif known != world_size:
         raise ValueError(f"{formula} = {known} != world_size({world_size})")
     dp_replicate, dp_shard, tp, pp = dims["dp_replicate"], dims["dp_shard"], dims["tp"], dims["pp"]
-    if tp > 1 and dp_replicate > 1:
-        raise ValueError(f"dp_replicate({dp_replicate}) with tp({tp}): plait.fsdp does not compose HSDP "
-                         "with tensor parallel yet; use dp_shard for data parallel over TP")
+    if tp > 1 and dp_replicate > 1 and dp_shard > 1:
+        raise ValueError(f"dp_replicate({dp_replicate}) x dp_shard({dp_shard}) with tp({tp}): plait.fsdp does "
+                         "not compose HSDP with tensor parallel yet; use dp_shard alone (FSDP) or "
+                         "dp_replicate alone (DDP) for data parallel over TP")
     for what, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if heads % tp:
             raise ValueError(f"model {what}({heads}) is not divisible by tp({tp}): choose a tp that divides it")
@@ -154,7 +158,8 @@ class TrainMeshes:
     pp: object
     dp: object  # flattened dp_replicate x dp_shard
     tp: object
-    fsdp: object | None  # None when dp == 1 (nothing to shard over)
+    fsdp: object | None  # None when dp_shard == 1 and dp_replicate == 1, or when `replicate` is set
+    replicate: object | None = None  # mesh["dp_replicate"] for pure data parallel (dp_shard == 1)
 
 
 def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> TrainMeshes:
@@ -166,6 +171,8 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> TrainMeshes:
                              mesh_dim_names=names)
     dp = world["dp_replicate", "dp_shard"].flatten("dp")
     fsdp = None
+    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+        return TrainMeshes(world, world["pp"], dp, world["tp"], None, world["dp_replicate"])
     if dims.dp > 1:
         if dims.tp > 1:
             # plait.fsdp over TP wants a 2-D (dp, tp) root: this pipeline rank's slice

@@ -8,7 +8,10 @@
           loss_parallel when asked)
        2. activation checkpointing: none | full | every k-th block (by layer index)
        3. torch.compile per block (Module.compile: in place, FQNs unchanged)
-       4. FSDP / HSDP: fully_shard(block) for each block, then fully_shard(stage module)
+       4. data parallel: FSDP / HSDP (dp_shard > 1): fully_shard(block) for each block, then
+          fully_shard(stage module); pure DP (dp_replicate > 1, dp_shard == 1):
+          replicate(stage module, device_mesh=mesh["dp_replicate"]) (DDP: whole grads bucketed
+          and all-reduced, no gathers), which a pipeline stage reduces once per step
     -> PipelineStage(module, s, num_stages, group=mesh.pp.get_group()) and the schedule
 
 FQNs stay torchtitan's through all of it (`layers.{i}.attention.wq`, ...): the checkpoint
@@ -78,7 +81,7 @@ def apply_activation_checkpointing(module: Transformer, *, mode: str, every: int
 def parallelize_stage(module: Transformer, dims: ParallelDims, meshes: TrainMeshes, *,
                       ac_mode: str = "none", ac_every: int = 1, compile: bool = False,
                       compile_backend: str = "inductor") -> Transformer:
-    """TP -> activation checkpointing -> compile -> FSDP on one stage (or the whole model)."""
+    """TP -> activation checkpointing -> compile -> FSDP or DDP on one stage (or the whole model)."""
     if dims.tp > 1:
         parallelize_llama(module, meshes.tp, sequence_parallel=dims.sequence_parallel,
                           loss_parallel=dims.loss_parallel)
@@ -92,6 +95,10 @@ def parallelize_stage(module: Transformer, dims: ParallelDims, meshes: TrainMesh
         for block in module.layers.values():
             fully_shard(block, mesh=meshes.fsdp)
         fully_shard(module, mesh=meshes.fsdp)
+    elif meshes.replicate is not None:
+        from plait.ddp import replicate
+
+        replicate(module, device_mesh=meshes.replicate)
     return module
 
 

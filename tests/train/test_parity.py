@@ -55,6 +55,45 @@ def test_3d_dp_shard_x_tp_x_pp_on_8_ranks():
     ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.dp_shard", "1"],    # TP x PP
     ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",                 # HSDP, and
      "--activation_checkpoint.mode", "full"],                                    # every block recomputed
-], ids=["fsdp_x_tp", "fsdp_x_pp", "tp_x_pp", "hsdp_ac"])
+    ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",                 # DDP (replicate) x TP
+     "--parallel.tp", "2"],
+    ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",                 # DDP x PP (one reduce
+     "--parallel.pp", "2"],                                                      # per stage per step)
+], ids=["fsdp_x_tp", "fsdp_x_pp", "tp_x_pp", "hsdp_ac", "ddp_x_tp", "ddp_x_pp"])
 def test_2d_layouts_on_4_ranks(layout):
     check(4, layout)
+
+
+def test_pure_data_parallel_runs_as_replicate_on_3_ranks():
+    """dp_replicate alone is plait.ddp.replicate over mesh["dp_replicate"] (whole grads all-reduced),
+    not fully_shard on an (R, 1) mesh; world size 3 (the tiny batch 8 does not split 3 ways, so 6)."""
+    results = run_distributed(_ddp_parts_and_losses, world_size=3)
+    for got in results:
+        assert got["replicated"] and not got["sharded"]
+    ref = run_distributed(run_tiny, ["--training.batch_size", "6"], world_size=1)[0]
+    for got in results:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
+        torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **TOL)
+
+
+def _ddp_parts_and_losses() -> dict:
+    from plait.ddp.replicate import replicate_state
+    from plait.tensor import DTensor
+    from plait.train import apply_overrides, load
+    from plait.train.layout import build_meshes
+    from plait.train.parallelize import build_parts
+    from plait.train.trainer import check, lm_loss
+
+    overrides = ["--parallel.dp_replicate", "3", "--parallel.dp_shard", "1", "--training.batch_size", "6"]
+    config = apply_overrides(load("tiny"), overrides)
+    args, dims = check(config, 3)
+    from plait.models.llama import Transformer
+
+    model = Transformer(args)
+    parts = build_parts(model, dims, build_meshes(dims), loss_fn=lm_loss, ac_mode="none", ac_every=1,
+                        compile=False)
+    (module,) = parts.modules
+    replicate_state(module)  # raises if not replicated
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    got = run_tiny(overrides)
+    return {**got, "replicated": True, "sharded": sharded}

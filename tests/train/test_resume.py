@@ -95,3 +95,25 @@ def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
     assert all(f"resumes {tmp_path / 'step-000006'}, but 1 of 2 ranks (the first: rank 1) do not see it "
                "complete" in g for g in got), got
     assert "(here: not visible here)" in got[1] and "(here:" not in got[0]
+
+
+@pytest.mark.parametrize("save, resume", [
+    (["--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"], ["--parallel.dp_shard", "4"]),
+    (["--parallel.dp_shard", "4"], ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                                    "--parallel.tp", "2"]),
+], ids=["ddp4_to_fsdp4", "fsdp4_to_ddp2_x_tp2"])
+def test_resume_across_ddp_and_fsdp(save, resume):
+    """Plain replicated tensors (replicate) saved, Shard(0) DTensors (fully_shard) loaded, and the
+    other way round (into DDP x TP's tp-sharded DTensors): the next steps equal the 1-rank run."""
+    ref = reference()
+    job = tempfile.mkdtemp(prefix="plait-resume-ddp-")
+    try:
+        run_distributed(run_tiny, [*CKPT, *save], job, world_size=4)
+        shutil.rmtree(Path(job) / "checkpoints" / "step-000010")
+        for got in run_distributed(run_tiny, [*CKPT, *resume], job, world_size=4):
+            assert got["start"] == 5
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][5:]), **TOL)
+            torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"][5:]),
+                                       **TOL)
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
