@@ -107,12 +107,7 @@ class ParamGroup:
     def unshard(self, *, async_op: bool = False) -> None:
         """Issue the all-gather (unless unsharded or in flight); wait for it unless async_op."""
         if self.state is ShardedState.SHARDED and self._gather is None:
-            for p in self.params:
-                p.refresh_sharded()
-            inp = torch.empty(self.total, dtype=self.param_dtype, device=self.device)  # (S,)
-            with torch.no_grad():
-                for p, off, size in zip(self.params, self.offsets, self.sizes):
-                    p.copy_in(inp[off:off + size])
+            inp = self._packed_shards()
             self._gather = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True)
             self.unshard_count += 1
         if not async_op:
@@ -122,15 +117,21 @@ class ParamGroup:
         """Every parameter's whole value as a new tensor, from one all-gather, leaving the
         group sharded (state dicts: no flat buffer, no copy-out, no clone after it)."""
         assert self.state is ShardedState.SHARDED and self._gather is None, f"{self.name}: {self.state}"
+        inp = self._packed_shards()
+        with torch.no_grad():
+            gathered = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True).wait()
+            return [p.full_from(gathered[:, off:off + size]) for p, off, size in
+                    zip(self.params, self.offsets, self.sizes)]  # (N, S) -> each (N, P_i) -> its shape
+
+    def _packed_shards(self) -> torch.Tensor:
+        """This rank's shards, each refreshed from its parameter, packed at their offsets: (S,)."""
         for p in self.params:
             p.refresh_sharded()
         inp = torch.empty(self.total, dtype=self.param_dtype, device=self.device)  # (S,)
         with torch.no_grad():
             for p, off, size in zip(self.params, self.offsets, self.sizes):
                 p.copy_in(inp[off:off + size])
-            gathered = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True).wait()
-            return [p.full_from(gathered[:, off:off + size]) for p, off, size in
-                    zip(self.params, self.offsets, self.sizes)]  # (N, S) -> each (N, P_i) -> its shape
+        return inp
 
     def wait_for_unshard(self) -> None:
         """Finish the all-gather in flight: copy out into the flat buffer, expose the views."""

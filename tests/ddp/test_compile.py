@@ -36,6 +36,7 @@ from plait import comm
 from plait.ddp import DistributedDataParallel, replicate, replicate_state
 from plait.testing import distributed
 from tests.ddp.common import batch, build, loss_fn, mine, world
+from tests.log_records import WarningRecords
 
 STEPS = 3
 CAP_MB = 100 / 2**20  # 100 bytes: each Linear (>= 156 bytes) closes a bucket of its own
@@ -93,22 +94,13 @@ def _train(model, run, opt, rank, log=None):
     return losses
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def _compiled_run(front: str, rank: int, log: list):
     """Train a compiled replica; returns (model, losses, graph breaks, warnings, logs)."""
     torch._dynamo.reset()
     counters.clear()
     model = _wrap(front, build("mlp", seed=0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    handler = _Records()
+    handler = WarningRecords()
     torch_logger = logging.getLogger("torch")
     torch_logger.addHandler(handler)
     try:

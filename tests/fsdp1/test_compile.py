@@ -38,17 +38,9 @@ from tests.fsdp.common import (
     world,
 )
 from tests.fsdp1.common import wrap
+from tests.log_records import WarningRecords
 
 STEPS = 4
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 def _plait_made(w: warnings.WarningMessage) -> bool:
@@ -78,7 +70,7 @@ def test_compiled_fsdp1_trains_like_eager(strategy):
     model = wrap(build("mlp"), sharding_strategy=strategy)
     compiled = torch.compile(model, backend=backend)
     opts = make_opt(eager.parameters()), make_opt(model.parameters())
-    records = _Records()
+    records = WarningRecords()
     plait_log = logging.getLogger("plait")
     plait_log.addHandler(records)
     try:
