@@ -6,7 +6,8 @@ registered (workers, their children) must be gone — the check is by pid, not b
 
 Every wait here is for an event (a process exiting, a line on stderr, a file appearing) and
 returns as soon as it happens; its bound, HANG_S, only tells a stuck launcher from a slow one
-on a loaded machine, so it is generous: a passing test never waits for it.
+on a loaded machine, so it is generous: a passing test never waits for it. A launch that
+outlives it fails the test with the Python stack of every process it started (stackdump/).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
+STACKDUMP = Path(__file__).resolve().parent / "stackdump"  # its sitecustomize: SIGUSR2 -> stacks
 PYTHON = sys.executable
 HANG_S = 120.0  # the bound on every wait for an event: a launch under load takes seconds, a hang forever
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -60,6 +62,45 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every live process below it (by parent pid: workers lead their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def stacks_of(pids: list[int], stacks: Path) -> str:
+    """Every thread's Python stack of each process in `pids` (stackdump/sitecustomize.py)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
+    time.sleep(1.0)  # faulthandler writes from the signal handler of each process
+    parts = []
+    for pid in pids:
+        path = stacks / f"{pid}.txt"
+        if path.exists():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            parts.append(f"--- stacks of pid {pid} ({cmd.strip()[:160]})\n{path.read_text(errors='replace')[-4000:]}")
+    return "\n".join(parts) or "(no process left to ask for its stack)"
+
+
 @dataclass
 class Result:
     rc: int
@@ -72,6 +113,7 @@ class Launch:
 
     def __init__(self, args: list[str], env: dict[str, str], cwd: Path, name: str, wrap: list[str]):
         self.out_path, self.err_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
+        self.stacks = Path(env["PLAIT_TEST_STACKS"])
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [*wrap, PYTHON, "-m", "plait.run", *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -90,10 +132,16 @@ class Launch:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            stacks = self.stacks_now()
             self.kill()
             r = self.output()
-            pytest.fail(f"plait run did not exit within {timeout} s\n--- stdout\n{r.out}\n--- stderr\n{r.err}")
+            pytest.fail(f"plait run did not exit within {timeout} s\n--- stdout\n{r.out}\n--- stderr\n{r.err}\n"
+                        f"{stacks}")
         return self.output()
+
+    def stacks_now(self) -> str:
+        """The Python stacks of this launch and every process below it, if it still runs."""
+        return stacks_of(descendants(self.proc.pid), self.stacks) if self.proc.poll() is None else ""
 
     def wait_for_stderr(self, text: str, timeout: float = HANG_S) -> None:
         deadline = time.monotonic() + timeout
@@ -103,8 +151,9 @@ class Launch:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
+        stacks = self.stacks_now()
         r = self.output()
-        pytest.fail(f"{text!r} not on stderr within {timeout} s\n--- stdout\n{r.out}\n--- stderr\n{r.err}")
+        pytest.fail(f"{text!r} not on stderr within {timeout} s\n--- stdout\n{r.out}\n--- stderr\n{r.err}\n{stacks}")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -122,17 +171,19 @@ class Job:
         self.dir = tmp_path
         self.out = tmp_path / "out"
         self.pids = tmp_path / "pids"
+        self.stacks = tmp_path / "stacks"
         self.out.mkdir()
         self.pids.mkdir()
+        self.stacks.mkdir()
         self.launches: list[Launch] = []
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "PLAIT_", "TORCHELASTIC_"))}
         for k in _LAUNCHER_VARS:
             env.pop(k, None)
-        env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                   OMP_NUM_THREADS="1", TMPDIR=str(self.dir), PLAIT_TEST_OUT=str(self.out),
-                   PLAIT_TEST_PIDS=str(self.pids))
+        path = [str(STACKDUMP), str(REPO), env.get("PYTHONPATH", "")]
+        env.update(PYTHONPATH=os.pathsep.join(path).rstrip(os.pathsep), OMP_NUM_THREADS="1", TMPDIR=str(self.dir),
+                   PLAIT_TEST_OUT=str(self.out), PLAIT_TEST_PIDS=str(self.pids), PLAIT_TEST_STACKS=str(self.stacks))
         env.update(extra)
         return env
 
@@ -158,7 +209,8 @@ class Job:
             if len(names) >= count:
                 return names
             time.sleep(0.05)
-        logs = "\n".join(f"--- {launch.err_path.name}\n{launch.output().err}" for launch in self.launches)
+        logs = "\n".join(f"--- {launch.err_path.name}\n{launch.output().err}\n{launch.stacks_now()}"
+                         for launch in self.launches)
         pytest.fail(f"expected {count} outputs {prefix}*, got {self.outputs(prefix)}\n{logs}")
 
     def registered_pids(self) -> list[int]:

@@ -94,3 +94,15 @@ def test_help_lists_torchruns_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--rdzv-endpoint", "--max-restarts", "--tee"):
         assert flag in out
+
+
+def test_a_launch_that_outlives_its_bound_fails_with_every_process_stack(job):
+    """The fixture's own promise: a hung launch fails the test with each process's Python stack
+    (the agent's and its workers'), so a hang seen once in CI can be read, not guessed."""
+    launch = job.start("--nproc-per-node", "2", worker("sleeper.py"))
+    job.wait_for_outputs("ready_a0_r", 2)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        launch.wait(timeout=0.5)
+    text = str(failed.value)
+    assert text.count("--- stacks of pid") == 3, text  # the agent and its two workers
+    assert "sleeper.py\", line" in text and "in _watch" in text, text  # each one where it waits
