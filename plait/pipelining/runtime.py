@@ -98,6 +98,9 @@ class PipelineRuntime:
         self._plans: dict[bool, Schedule] = {}
         self._programs: dict[bool, Program] = {}
         self._shapes_known = False
+        # Gloo matches each direction of a pair on its own: receives can be posted a compute
+        # early (program.py says why, and why not on NCCL); read when a program is compiled
+        self.early_recvs = EARLY_RECVS if comm.group_info(group).backend == "gloo" else 0
 
     def plan(self, has_backward: bool) -> Schedule:
         """The lowered, checked schedule for a step with or without backward (cached)."""
@@ -114,11 +117,8 @@ class PipelineRuntime:
         found = self._programs.get(has_backward)
         if found is None:
             actions = self.plan(has_backward).actions[self.rank]
-            # Gloo matches each direction of a pair on its own: receives can be posted a
-            # compute early (program.py says why, and why not on NCCL)
-            early = EARLY_RECVS if comm.group_info(self.group).backend == "gloo" else 0
             found = self._programs[has_backward] = compile_program(
-                actions, self.stages, early_recvs=early
+                actions, self.stages, early_recvs=self.early_recvs
             )
         return found
 
