@@ -6,10 +6,24 @@
         Compute(...)     F | B | I | W with its stage, the slot of the receive it reads (-1:
                          none), the local stage it hands its result to (V turn-around)
     bookkeeping actions (UNSHARD, RESHARD, REDUCE_GRAD from torch's CSVs) compile to nothing
+    early_recvs=k: every RECV is posted k computes sooner (never ahead of the first compute),
+                   at the end of the Post before that compute
 
 Why: a step then does no planning, no dict lookups by action and no dispatch on the action's
 kind beyond one flag per op, so the runtime's own cost per action stays small next to the
 compute and the p2p it issues (the bubble benchmark counts it in µs per action).
+
+Early receives (Gloo): a Gloo send whose receive is not yet posted only announces itself;
+the data leaves when the receiver's notice comes back, a round trip on the critical path
+when the receiver posts as it needs the data (1F1B's last stage: RECV_F(i+1) comes after
+B(i), just when the previous stage sends it). Posted one compute earlier, the receive is
+waiting when the send is issued and the data crosses during that compute. Posting never
+blocks and waits stay where they were, so no schedule that passes `check` can deadlock;
+every RECV moves by the same rule, so the receives from each peer keep their order (and
+sends do not move), and the n-th send from a peer still meets the n-th receive. The cost
+is one receive buffer per stage allocated a compute sooner. Not for NCCL, which runs a
+pair's sends and receives in order on one stream: a receive moved ahead of a send to the
+same peer could wait there for data that is queued behind that send on the other side.
 
 Invariant: a slot is written by exactly one Post and read (emptied) by exactly one Compute
 that comes later in the same list: the lowering contract puts each RECV before its consumer
@@ -64,7 +78,9 @@ class Program:
     computes: Mapping[Action, Compute]  # for the first step's shape inference
 
 
-def compile_program(actions: Sequence[Action], stages: Mapping[int, PipelineStage]) -> Program:
+def compile_program(
+    actions: Sequence[Action], stages: Mapping[int, PipelineStage], *, early_recvs: int = 0
+) -> Program:
     """The program for one rank's lowered list (see the module note)."""
     ops: list[Post | Compute] = []
     run: list[Transfer] = []
@@ -107,4 +123,44 @@ def compile_program(actions: Sequence[Action], stages: Mapping[int, PipelineStag
     if run:
         ops.append(Post(tuple(run)))
     assert not slot_of, f"receives with no consumer after them: {sorted(map(str, slot_of))}"
-    return Program(tuple(ops), num_slots, computes)
+    program = _hoist_recvs(ops, early_recvs) if early_recvs else ops
+    return Program(tuple(program), num_slots, computes)
+
+
+def _hoist_recvs(ops: list[Post | Compute], ahead: int) -> list[Post | Compute]:
+    """`ops` with every RECV posted `ahead` computes earlier (see the module note).
+
+    A RECV after compute n-1 (n computes before it) is posted just before compute
+    max(n - ahead, 1), after the sends already there; the receives gathered before one
+    compute keep their order, and targets never decrease along the list, so the order of
+    all receives is kept. Sends stay where the lowering put them. Nothing moves ahead of
+    the first compute: a step whose first compute refuses its input (stage 0's shape
+    check) has then posted no more than before, so nothing of it is left in flight."""
+    moved: dict[int, list[Transfer]] = {}
+    n = 0
+    for op in ops:
+        if op.__class__ is Compute:
+            n += 1
+        else:
+            for t in op.transfers:
+                if t.slot >= 0:
+                    moved.setdefault(max(n - ahead, min(n, 1)), []).append(t)
+    out: list[Post | Compute] = []
+    n = 0
+    for op in ops:
+        if op.__class__ is Compute:
+            early = tuple(moved.pop(n, ()))
+            if early:
+                before = out[-1] if out else None
+                if before is not None and before.__class__ is Post:
+                    out[-1] = Post(before.transfers + early)
+                else:
+                    out.append(Post(early))
+            out.append(op)
+            n += 1
+            continue
+        sends = tuple(t for t in op.transfers if t.slot < 0)
+        if sends:
+            out.append(Post(sends))
+    assert not moved, f"receives left with no compute to post before: {moved}"
+    return out

@@ -3,7 +3,7 @@
     Schedule (any: built-in, lists, CSV) --lower--> per-rank actions --check--> plan (cached)
         --compile (program.py, once)--> this rank's program
     step: [first step only: F of microbatch 0 down the stages, carrying shape metadata]
-          for each op of the program, in order:
+          for each op of the program, in order (on Gloo each RECV is posted one compute early):
               run of SEND/RECV -> one comm.batch_isend_irecv; receives kept in their slots
               F | B | I | W    -> wait for the receive it reads, then compute on the stage
           wait for every send
@@ -52,6 +52,7 @@ _SEND_F, _RECV_F, _SEND_B, _RECV_B = (
     ActionType.RECV_B,
 )
 _FORWARD_KINDS = frozenset({_F, _SEND_F, _RECV_F})
+EARLY_RECVS = 1  # on Gloo, each receive is posted this many computes before its place
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -97,6 +98,9 @@ class PipelineRuntime:
         self._plans: dict[bool, Schedule] = {}
         self._programs: dict[bool, Program] = {}
         self._shapes_known = False
+        # Gloo matches each direction of a pair on its own: receives can be posted a compute
+        # early (program.py says why, and why not on NCCL); read when a program is compiled
+        self.early_recvs = EARLY_RECVS if comm.group_info(group).backend == "gloo" else 0
 
     def plan(self, has_backward: bool) -> Schedule:
         """The lowered, checked schedule for a step with or without backward (cached)."""
@@ -113,7 +117,9 @@ class PipelineRuntime:
         found = self._programs.get(has_backward)
         if found is None:
             actions = self.plan(has_backward).actions[self.rank]
-            found = self._programs[has_backward] = compile_program(actions, self.stages)
+            found = self._programs[has_backward] = compile_program(
+                actions, self.stages, early_recvs=self.early_recvs
+            )
         return found
 
     def run(

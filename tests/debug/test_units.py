@@ -109,3 +109,24 @@ def test_call_site_is_the_user_line():
     path, line, func = issue()
     assert path.endswith("test_units.py") and func == "issue"
     assert format_site((path, line, func)).endswith(f"test_units.py:{line} in issue")
+
+
+def test_call_site_classes_each_code_object_by_identity_even_as_ids_are_reused():
+    # The classification is cached by id(code): a code object freed and replaced by another
+    # at the same address must not inherit its verdict. Library code (a file under
+    # plait/pipelining) and user code alternate, each freed before the next is compiled.
+    import os
+
+    from plait.debug import callsite
+
+    library = os.path.join(os.path.dirname(callsite.__file__), "..", "pipelining", "gen.py")
+    library = os.path.normpath(library)
+    for i in range(200):
+        path = library if i % 2 else f"/tmp/user_script_{i}.py"
+        code = compile("def f():\n    return g()\n", path, "exec")
+        scope = {"g": lambda: call_site(1)}  # the walk starts at f
+        exec(code, scope)
+        site = scope["f"]()
+        # from library code the site is the caller of f (this test); from user code, f itself
+        assert (site[0] == __file__) == bool(i % 2), (i, path, site)
+        del code, scope, site
