@@ -36,7 +36,7 @@ def write(name: str, data) -> None:
     os.replace(path + ".tmp", path)
 
 
-def wait_for(name: str, timeout: float = 120.0) -> bool:
+def wait_for(name: str, timeout: float = 300.0) -> bool:
     """Wait for another process's output file: as long as conftest.HANG_S, for a loaded machine."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
