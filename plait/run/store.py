@@ -139,9 +139,11 @@ class WorkerStore:
         """The socket to watch while the store is not served yet (None once it is, or closed)."""
         return self._sock.fileno() if self._sock is not None else None
 
-    # TODO(first start only): importing torch while the workers import theirs would take ~0.5 s
-    # off a single-node job's first init_process_group, but would cost the import to every job
-    # that never connects; we serve on demand instead.
+    # Served on demand, so the agent's torch import follows the workers' own instead of overlapping
+    # it: ~0.5 s on a quiet machine, once ~60 s under ci-under-load -j 2 (autogroup starves a
+    # process in its own session). Importing in a background thread at worker start would overlap
+    # them, but costs every job that never connects 1.47 s of CPU and 210 MB RSS (torch 2.13), and
+    # lets an exiting agent call exit() while that thread is still loading torch's libraries.
     def serve_if_pending(self, timeout: float) -> bool:
         """Start the server if a worker is waiting to connect; True if it started now."""
         if self._sock is None:
