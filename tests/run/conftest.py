@@ -24,16 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.run.workers._common import HANG_S  # the bound on every wait for an event
+
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 STACKDUMP = Path(__file__).resolve().parent / "stackdump"  # its sitecustomize: SIGUSR2 -> stacks
 PYTHON = sys.executable
-# The bound on every wait for an event: a launch takes seconds, a hang forever. In full-suite runs
-# under ci-under-load -j 2 a process started in its own session (every agent and worker here)
-# was measured importing torch in 8-10 s at load 8-11 (4-5 s in the caller's session), and an
-# agent once took ~60 s for it; a restart chains three such imports (agent, attempt 0, attempt 1),
-# and two -j 2 runs each failed one launch at 120 s. 300 s holds that; a passing test never waits it.
-HANG_S = 300.0
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                   "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")
 

@@ -9,6 +9,13 @@ import os
 import time
 
 OUT = os.environ.get("PLAIT_TEST_OUT", ".")
+# The bound on every wait for an event, here and in conftest: a launch takes seconds, a hang forever.
+# In full-suite runs under ci-under-load -j 2 a process started in its own session (every agent and
+# worker here) was measured importing torch in 8-10 s at load 8-11 (4-5 s in the caller's session),
+# and an agent once took ~60 s for it; a restart chains three such imports (agent, attempt 0,
+# attempt 1), and two -j 2 runs each failed one launch at 120 s. 300 s holds that; a passing test
+# never waits it.
+HANG_S = 300.0
 
 
 def register(pid: int | None = None) -> None:
@@ -36,8 +43,8 @@ def write(name: str, data) -> None:
     os.replace(path + ".tmp", path)
 
 
-def wait_for(name: str, timeout: float = 300.0) -> bool:
-    """Wait for another process's output file: as long as conftest.HANG_S, for a loaded machine."""
+def wait_for(name: str, timeout: float = HANG_S) -> bool:
+    """Wait for another process's output file, at most `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.exists(os.path.join(OUT, name)):
