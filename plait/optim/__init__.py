@@ -1,0 +1,1 @@
+"""Distributed optimizers, under torch.distributed.optim's names."""
