@@ -29,7 +29,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from plait import comm
 from plait.ddp import DistributedDataParallel
-from plait.ddp.comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from plait.ddp.comm_hooks.post_localSGD_hook import (
+    PostLocalSGDState,
+    intra_node_subgroup,
+    post_localSGD_hook,
+)
 from plait.ddp.model_averaging import PeriodicModelAverager
 from plait.debug import CommDebugMode
 from plait.optim.post_localSGD_optimizer import PostLocalSGDOptimizer
@@ -162,12 +166,16 @@ def test_periodic_model_averager_on_param_groups_matches_torch():
                 a.add_(noise)
                 b.add_(noise)
         untouched += torch.randn(2, generator=torch.Generator().manual_seed(10 * call + rank))
-        averager.average_parameters(groups)
-        torch_averager.average_parameters(torch_groups)
+        if call % 2:  # a model's parameters() on odd calls, an optimizer's param_groups on even
+            averager.average_parameters(iter(ours))
+            torch_averager.average_parameters(iter(theirs))
+        else:
+            averager.average_parameters(groups)
+            torch_averager.average_parameters(torch_groups)
         assert averager.step == torch_averager.step == call + 1
         for k, (a, b) in enumerate(zip(ours, theirs)):
             assert a.dtype == b.dtype
-            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, k=k: f"call {call} param {k}: {m}")
+            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, k=k, call=call: f"call {call} param {k}: {m}")
         synced = all(equal_to(ours[0].detach().reshape(-1), g))
         assert synced == (call in (2, 5)), (call, synced)
         torch.testing.assert_close(ours[3].detach(), untouched)
@@ -180,6 +188,13 @@ def test_periodic_model_averager_rejects_bad_arguments():
         PeriodicModelAverager(period=2, warmup_steps=-1, process_group=object())
     with pytest.warns(UserWarning, match="period is 1"):
         PeriodicModelAverager(period=1, process_group=object())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the device count sizes the node")
+def test_default_subgroup_needs_the_ranks_per_node(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        intra_node_subgroup(None)
 
 
 def local_training(opt, model, steps, first_step):
