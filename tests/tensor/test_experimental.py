@@ -89,6 +89,24 @@ def test_local_map_redistributes_inputs_only_when_asked(world_size):
 
 
 @distributed([2])
+def test_local_map_in_grad_placements_mark_a_partial_input_gradient(world_size):
+    """x replicated, w column-sharded: each rank's d(loss)/d(x_local) is a partial sum, which
+    in_grad_placements=Partial says; x.grad then adds the ranks' pieces (torch's hint)."""
+    mesh = mesh_for(world_size)
+    x_full, w_full = ints(3, 4, seed=9), ints(4, 6, seed=10)
+    x, w = _leaf(x_full, mesh, [Replicate()]), _leaf(w_full, mesh, [Shard(1)])
+    local_mm = local_map(torch.mm, out_placements=[Shard(1)], in_placements=([Replicate()], [Shard(1)]),
+                         in_grad_placements=([Partial()], [Shard(1)]))
+    y = local_mm(x, w)
+    y.full_tensor().pow(2).sum().backward()
+    xr, wr = x_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+    (xr @ wr).pow(2).sum().backward()
+    torch.testing.assert_close(y.full_tensor(), xr @ wr, **TOL)
+    torch.testing.assert_close(x.grad.full_tensor(), xr.grad, **TOL)
+    torch.testing.assert_close(w.grad.full_tensor(), wr.grad, **TOL)
+
+
+@distributed([2])
 def test_implicit_replication_lets_plain_tensors_meet_dtensors(world_size):
     mesh = mesh_for(world_size)
     full, plain = ints(4, 6, seed=6), ints(4, 6, seed=7)
