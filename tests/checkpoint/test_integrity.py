@@ -103,11 +103,11 @@ def test_flipped_byte_fails_load_and_verify(run, capsys, file, part, where):
 
 
 @pytest.mark.parametrize("file", [*FILES, METADATA_FILE])
-@pytest.mark.parametrize("cut", ["last byte", "half"])
+@pytest.mark.parametrize("cut", ["last byte", "half", "one byte appended"])
 def test_truncated_file_fails_load_and_verify(run, capsys, file, cut):
     path = run / "step-000150"
     size = os.path.getsize(path / file)
-    os.truncate(path / file, size - 1 if cut == "last byte" else size // 2)
+    os.truncate(path / file, {"last byte": size - 1, "half": size // 2, "one byte appended": size + 1}[cut])
     with pytest.raises(dcp.CorruptCheckpointError) as e:
         dcp.load(_empty(), checkpoint_id=path)
     _assert_named(str(e.value), file, None, path)
