@@ -14,10 +14,12 @@ are `plait checkpoint ...`. (Modules are not named save/load/async_save: those n
 the functions.)
 """
 
+from plait.checkpoint import format_utils
 from plait.checkpoint.async_saver import async_save
+from plait.checkpoint.deprecated import load_state_dict, save_state_dict
 from plait.checkpoint.group import CheckpointError
 from plait.checkpoint.loader import load
-from plait.checkpoint.metadata import ChunkMeta, Metadata, TensorMeta
+from plait.checkpoint.metadata import ChunkMeta, CorruptCheckpointError, Metadata, TensorMeta
 from plait.checkpoint.planner import DefaultLoadPlanner, DefaultSavePlanner
 from plait.checkpoint.safetensors_io import ChunkError
 from plait.checkpoint.saver import save
@@ -29,3 +31,5 @@ __all__ = [
     "FileSystemReader", "FileSystemWriter", "Metadata", "Stateful", "TensorMeta", "async_save",
     "load", "save",
 ]
+# integrity (every byte under a checksum), torch's format utilities and deprecated names
+__all__ += ["CorruptCheckpointError", "format_utils", "load_state_dict", "save_state_dict"]

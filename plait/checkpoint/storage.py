@@ -1,10 +1,15 @@
 """FileSystemWriter / FileSystemReader: torch's names, a directory of safetensors files.
 
-    writer.write(items, staging, rank) -> files, {fqn: [chunk]}   (thread_count threads, a
-        file each: __R_T.safetensors; single_file_per_rank=False: a file per chunk)
-    reader.read_metadata() -> Metadata          (refuses an incomplete checkpoint, says why)
-    reader.read(reads)                           (every chunk's crc32 checked; a chunk that
-        is exactly one local box is read straight into it, the rest through a buffer)
+    writer.write(items, staging, rank) -> files, {fqn: [chunk]}, {file: FileMeta}
+        (thread_count threads, a file each: __R_T.safetensors; single_file_per_rank=False:
+        a file per chunk)
+    reader.read_metadata() -> Metadata          (refuses an incomplete checkpoint, says why;
+        metadata.json's own crc32 checked)
+    reader.read(reads)                           (each file read from: its size and header
+        crc32 checked once; every chunk's crc32 checked; a chunk that is exactly one local
+        box is read straight into it, the rest through a buffer)
+A corrupt byte raises CorruptCheckpointError naming the file (the tensor where there is
+one), the checkpoint, and the previous complete one beside it (integrity.describe).
 """
 
 from __future__ import annotations
@@ -17,10 +22,16 @@ from typing import Any
 
 import torch
 
-from plait.checkpoint import commit
-from plait.checkpoint.metadata import METADATA_FILE, ChunkMeta, Metadata
+from plait.checkpoint import commit, integrity
+from plait.checkpoint.metadata import (
+    METADATA_FILE,
+    ChunkMeta,
+    CorruptCheckpointError,
+    FileMeta,
+    Metadata,
+)
 from plait.checkpoint.planner import ReadItem, WriteItem
-from plait.checkpoint.safetensors_io import read_chunk, write_file
+from plait.checkpoint.safetensors_io import check_file, read_chunk, write_file
 
 
 def chunk_name(fqn: str, offsets: tuple[int, ...]) -> str:
@@ -61,12 +72,15 @@ class FileSystemWriter:
             sizes[i] += it.data.numel() * it.data.element_size()
         return [(f"__{rank}_{i}.safetensors", b) for i, b in enumerate(buckets) if b]
 
-    def write(self, items: list[WriteItem], staging: str, rank: int) -> tuple[list[str], dict[str, list[dict[str, Any]]]]:
+    def write(self, items: list[WriteItem], staging: str,
+              rank: int) -> tuple[list[str], dict[str, list[dict[str, Any]]], dict[str, dict[str, int]]]:
         buckets = self._buckets(items, rank)
+        file_meta: dict[str, dict[str, int]] = {}
 
         def one(name: str, bucket: list[WriteItem]) -> list[tuple[WriteItem, tuple[str, int, int, int]]]:
             written = write_file(os.path.join(staging, name),
                                  [(chunk_name(it.fqn, it.offsets), it.data) for it in bucket], sync=self.sync_files)
+            file_meta[name] = asdict(written.file_meta)  # one key per thread: no lock needed
             return list(zip(bucket, written))
 
         if self.thread_count > 1 and len(buckets) > 1:
@@ -78,7 +92,7 @@ class FileSystemWriter:
         for (file, _), result in zip(buckets, results):
             for it, (name, begin, nbytes, crc) in result:
                 chunks[it.fqn].append(asdict(ChunkMeta(list(it.offsets), list(it.sizes), file, name, begin, nbytes, crc)))
-        return [f for f, _ in buckets], dict(chunks)
+        return [f for f, _ in buckets], dict(chunks), file_meta
 
 
 class FileSystemReader:
@@ -86,20 +100,41 @@ class FileSystemReader:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+        self._file_meta: dict[str, FileMeta] = {}  # from read_metadata: what read checks each file against
+        self._fqns: dict[str, list[str]] = {}  # file -> the tensors it holds (for messages)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
+        self._file_meta, self._fqns = {}, {}
 
     def read_metadata(self) -> Metadata:
         problem = commit.status(self.path)
         if problem is not None:
             raise ValueError(problem)
         where = os.path.join(self.path, METADATA_FILE)
-        with open(where) as f:
-            return Metadata.from_json(f.read(), where=where)
+        with open(where, "rb") as f:
+            data = f.read()
+        try:
+            md = Metadata.from_json(data, where=where)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(integrity.describe(self.path, str(e))) from None
+        self._file_meta, self._fqns = md.file_meta, defaultdict(list)
+        for fqn, t in md.tensors.items():
+            for c in t.chunks:
+                self._fqns[c.file].append(fqn)
+        return md
 
     def read(self, reads: list[ReadItem]) -> None:
+        try:
+            self._read(reads)
+        except CorruptCheckpointError as e:
+            raise type(e)(integrity.describe(self.path, str(e))) from None
+
+    def _read(self, reads: list[ReadItem]) -> None:
+        for file in sorted({r.chunk.file for r in reads}):
+            if file in self._file_meta:  # absent in a version-1 checkpoint: chunks checked only
+                check_file(os.path.join(self.path, file), self._file_meta[file], file=file, fqns=self._fqns[file])
         by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
         for r in reads:
             by_chunk[(r.chunk.file, r.chunk.begin)].append(r)
