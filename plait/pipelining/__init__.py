@@ -4,7 +4,8 @@ A schedule is data (`schedules`): per rank, a list of actions `(stage, F|B|I|W, 
 that pure functions generate, a lowering pass completes with SEND/RECV, and a checker and
 simulator vet before anything runs. One runtime executes them:
 
-    model --pipeline() / split_model()--> stage modules --PipelineStage--> stages
+    model --pipeline() / split_model()--> stage modules --PipelineStage / build_stage--> stages
+          (pipeline() cuts at split_spec and at pipe_split() calls in forward)
     ScheduleX(stages, n_microbatches, loss_fn) --build_schedule, lower, check--> runtime
     schedule.step(x, target=y, losses=l): microbatches through F/B/I/W with plait.comm p2p
 """

@@ -51,13 +51,15 @@ TORCH_SCHEDULE_NAMES = [  # what torch's users import from torch.distributed.pip
 
 
 def test_importing_schedules_does_not_import_torch():
+    """`plait plan pipeline` imports the schedules without torch; the classes load lazily
+    (that they do load is the next test's, in this process)."""
     code = (
         "import sys\n"
         "import plait.pipelining.schedules as s\n"
+        "import plait.pipelining\n"
         "s.build_schedule('Looped1F1B', 2, 4)\n"
+        "assert 'ScheduleGPipe' in s.__all__ and 'get_schedule_class' in s.__all__\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
-        "from plait.pipelining.schedules import ScheduleGPipe\n"  # loads the classes: torch
-        "assert 'torch' in sys.modules and ScheduleGPipe.__name__ == 'ScheduleGPipe'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -208,6 +210,27 @@ def test_pipe_split_and_split_spec_combine():
         ["head"],
     ]
     torch.testing.assert_close(_chain(pipe, _x()), model(_x()), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.export's own pytree deprecation
+@pytest.mark.parametrize("marks, inside", [((2,), None), ((1, 3), 2)])
+def test_pipe_split_stages_hold_the_parameters_torchs_do(monkeypatch, marks, inside):
+    """The same model through torch's pipeline() with torch's pipe_split (torch.export, ~1 s)."""
+    tp = pytest.importorskip("torch.distributed.pipelining")
+    torch.manual_seed(0)
+    model = Net(marks=marks, split_inside=inside)
+    ours = pipeline(model, (_x(),))
+    with monkeypatch.context() as m:  # Net's forwards call this module's `pipe_split`
+        m.setattr(sys.modules[__name__], "pipe_split", tp.pipe_split)
+        theirs = tp.pipeline(model, mb_args=(_x(),))
+    assert ours.num_stages == theirs.num_stages
+    # torch names its stages submod_pp_1.. here (its leading pipe_split); compare in order
+    want = [sorted(n for n, _ in c.named_parameters()) for _, c in theirs.split_gm.named_children()]
+    got = [
+        sorted(n for n, _ in ours.get_stage_module(s).named_parameters())
+        for s in range(ours.num_stages)
+    ]
+    assert got == want
 
 
 # --- Pipe.info() and build_stage --------------------------------------------------------------
