@@ -167,8 +167,8 @@ def _chain_graph(stage_modules: Sequence[nn.Module]) -> fx.Graph:
     next stage's inputs (what `_verify` runs, and the runtime sends)."""
 
     def inputs(m: nn.Module) -> list[str]:
-        if not hasattr(m, "graph"):  # a StageModule: positional *args
-            return ["*args"]
+        if not hasattr(m, "graph"):  # a hand-built stage (StageModule): one input assumed
+            return ["x"]
         return [n.target for n in m.graph.nodes if n.op == "placeholder" and "**" not in n.target]
 
     graph = fx.Graph()
@@ -224,8 +224,6 @@ class Pipe:
         self, stage_index: int, device: torch.device | str, group: ProcessGroup | None = None
     ) -> PipelineStage:
         """A PipelineStage running stage `stage_index`'s module, moved to `device`."""
-        if not 0 <= stage_index < self.num_stages:
-            raise ValueError(f"stage_index {stage_index} is not in [0, {self.num_stages})")
         return build_stage(
             self.get_stage_module(stage_index), stage_index, self.info(), device, group
         )

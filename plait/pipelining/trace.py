@@ -20,14 +20,14 @@ Cut and live values. Nodes are in execution order; a `SplitPoint.BEGINNING` at f
 before the first node that uses F (calls it, a submodule of it, or reads one of its
 parameters), `END` after the last one; a `pipe_split()` call in a forward cuts where it is
 (the spine then includes every forward that calls it: the example run notes its callers).
-Stage s takes, as positional inputs, every value made
-before it that stage s or a later one reads (a skip connection passes through the stages in
-between), and returns what the next stage takes; stage 0 takes the model's own tensor
-arguments, by name. Non-tensor arguments (and those left at their defaults) are fixed at
-trace time, as torch.export specialises them. Parameters are read where they are used; a
-trained one used by two stages (tied weights, a module called on both sides of a cut) is
-refused: it would need its two stages' grads summed, which this split does not do. Buffers
-and frozen parameters read by several stages (a RoPE table) are simply shared.
+Stage s takes, as positional inputs, every value made before it that stage s or a later
+one reads (a skip connection passes through the stages in between), and returns what the
+next stage takes; stage 0 takes the model's own tensor arguments, by name. Non-tensor
+arguments (and those left at their defaults) are fixed at trace time, as torch.export
+specialises them. Parameters are read where they are used; a trained one used by two
+stages (tied weights, a module called on both sides of a cut) is refused: it would need its
+two stages' grads summed, which this split does not do. Buffers and frozen parameters read
+by several stages (a RoPE table) are simply shared.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ with one deliberate difference: for 1F1B with fewer microbatches than ranks torc
 order lists forwards of microbatches that do not exist; here warm-up stops at the last one.
 
 Stage placement: one stage per rank for GPipe and 1F1B; loop style (stage s on rank
-s % p) for the interleaved and looped schedules (Looped1F1B is plait's, torch has none); V style for ZBV (rank r owns stages r
-and 2p-1-r). DualPipeV, V style too, lives in `dualpipev.py`.
+s % p) for the interleaved and looped schedules; V style for ZBV (rank r owns stages r
+and 2p-1-r). DualPipeV, V style too, lives in `dualpipev.py`. Looped1F1B is plait's own
+(torch has none): Interleaved1F1B's order with rounds of a chosen size.
 """
 
 from __future__ import annotations
