@@ -1,0 +1,1 @@
+"""plait.optim: torch.distributed.optim under plait (ZeroRedundancyOptimizer)."""
