@@ -10,6 +10,8 @@
 Invariant: each parameter has exactly one owner; only the owner holds and writes its optimizer
 state. The partition is a pure function of the groups' sizes, so the ranks agree on it without
 talking, and adding a group appends to it without moving the parameters already placed.
+Under Join, a joined rank keeps stepping its partition with the gradients it holds (none after
+zero_grad(), so its partition stands still, as in torch) and broadcasting it.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class _ZeROJoinHook(JoinHook):
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
-    """Wrap `optimizer_class` so that each rank of `process_group` steps and keeps state for
-    about 1/world_size of the parameters, then broadcasts them (torch's semantics):
+    """Wrap `optimizer_class` so that each rank of `process_group` (default: the world) steps
+    and keeps state for about 1/world_size of the parameters, then broadcasts them; `defaults`
+    go to `optimizer_class`. With `parameters_as_bucket_view`, each rank's parameters are views
+    of one flat tensor (one broadcast per rank) and `param.data` changes. torch's semantics:
 
         ddp = DistributedDataParallel(model)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
@@ -68,8 +72,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank: int = comm.get_rank(self.process_group)
         self.global_rank: int = comm.get_global_rank(self.process_group, self.rank)
         self._default_device = self._all_params[0].device
-        self._overlap_with_ddp = False
-        self._optim_defaults = defaults
         self._partition_parameters_cache: list[list[dict]] = []
         self._param_to_rank_cache: dict[torch.Tensor, int] = {}
         self._is_trainable_mask = self._trainable_mask()
@@ -97,10 +99,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         elif all(isinstance(g, dict) for g in items):
             if any("params" not in g for g in items):
                 raise ValueError("every parameter group passed in params needs a 'params' key")
-            self._all_params = [p for g in items for p in ([g["params"]] if isinstance(g["params"], torch.Tensor)
-                                                          else list(g["params"]))]
             items = [{**g, "params": [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])}
                      for g in items]
+            self._all_params = [p for g in items for p in g["params"]]
         else:
             raise TypeError("params must be an iterable of Tensors or an iterable of dicts, not a mix")
         # one flat bucket per rank and device holds one dtype; torch has the same restriction
