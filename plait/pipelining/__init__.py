@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from .schedules import (
+    CLASS_NAMES,
     Action,
     ActionType,
     CheckReport,
@@ -50,23 +51,7 @@ _RUNTIME = {
     "TensorChunkSpec": "microbatch",
     "merge_chunks": "microbatch",
     "split_args_kwargs_into_chunks": "microbatch",
-    **dict.fromkeys(
-        [
-            "PipelineScheduleMulti",
-            "PipelineScheduleRuntime",
-            "PipelineScheduleSingle",
-            "Schedule1F1B",
-            "ScheduleDualPipeV",
-            "ScheduleGPipe",
-            "ScheduleInterleaved1F1B",
-            "ScheduleInterleavedZeroBubble",
-            "ScheduleLooped1F1B",
-            "ScheduleLoopedBFS",
-            "ScheduleZBVZeroBubble",
-            "_PipelineScheduleRuntime",
-        ],
-        "schedule_classes",
-    ),
+    **dict.fromkeys([n for n in CLASS_NAMES if n != "get_schedule_class"], "schedule_classes"),
 }
 
 

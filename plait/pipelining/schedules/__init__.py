@@ -34,7 +34,26 @@ from .schedule import Schedule, ScheduleError, loop_stage_to_rank, v_stage_to_ra
 from .simulator import Costs, Simulation, Slot, bubble_formula, simulate
 from .timeline import render_ascii, render_svg, write_png, write_svg
 
-__all__ = [  # plait's data names, then torch's (loaded on first use)
+# torch's names: the classes live in ..schedule_classes, which needs torch.
+CLASS_NAMES = (
+    "PipelineScheduleMulti",
+    "PipelineScheduleRuntime",
+    "PipelineScheduleSingle",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLooped1F1B",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "_PipelineScheduleRuntime",
+    "get_schedule_class",
+)
+
+
+__all__ = [
+    *(n for n in CLASS_NAMES if not n.startswith("_")),  # plait's data names, then torch's (loaded on first use)
     "SCHEDULES",
     "Action",
     "ActionType",
@@ -68,39 +87,9 @@ __all__ = [  # plait's data names, then torch's (loaded on first use)
     "write_png",
     "write_svg",
     "zbv_zero_bubble",
-    "PipelineScheduleMulti",
-    "PipelineScheduleRuntime",
-    "PipelineScheduleSingle",
-    "Schedule1F1B",
-    "ScheduleDualPipeV",
-    "ScheduleGPipe",
-    "ScheduleInterleaved1F1B",
-    "ScheduleInterleavedZeroBubble",
-    "ScheduleLooped1F1B",
-    "ScheduleLoopedBFS",
-    "ScheduleZBVZeroBubble",
-    "get_schedule_class",
 ]
 
-# torch's names: the classes live in ..schedule_classes, which needs torch.
-_CLASSES = (
-    "PipelineScheduleMulti",
-    "PipelineScheduleRuntime",
-    "PipelineScheduleSingle",
-    "Schedule1F1B",
-    "ScheduleDualPipeV",
-    "ScheduleGPipe",
-    "ScheduleInterleaved1F1B",
-    "ScheduleInterleavedZeroBubble",
-    "ScheduleLooped1F1B",
-    "ScheduleLoopedBFS",
-    "ScheduleZBVZeroBubble",
-    "_PipelineScheduleRuntime",
-    "get_schedule_class",
-)
-
-
 def __getattr__(name: str) -> Any:
-    if name not in _CLASSES:
+    if name not in CLASS_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module("plait.pipelining.schedule_classes"), name)
