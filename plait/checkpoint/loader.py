@@ -36,7 +36,8 @@ def resolve_reader(checkpoint_id: str | os.PathLike | None, storage_reader: Stor
     if not isinstance(storage_reader, StorageReader):
         raise TypeError("storage_reader must be a plait.checkpoint.StorageReader (FileSystemReader, "
                         f"HuggingFaceStorageReader or your subclass), got {type(storage_reader).__name__}")
-    storage_reader.reset(checkpoint_id)
+    if checkpoint_id is not None:  # torch resets a given storage layer only to a new id
+        storage_reader.reset(checkpoint_id)
     return storage_reader
 
 

@@ -24,6 +24,16 @@ import torch
 
 from plait.checkpoint import values as values_mod
 from plait.checkpoint.metadata import ChunkMeta, Metadata, dtype_name, safetensors_tag
+from plait.checkpoint.planner_api import (  # noqa: F401 - torch's import path: ...checkpoint.planner
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from plait.tensor.dtensor import DTensor
 from plait.tensor.placement import Partial, Replicate, local_shape_and_offset
 

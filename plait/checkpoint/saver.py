@@ -40,7 +40,8 @@ def resolve_writer(checkpoint_id: str | os.PathLike | None, storage_writer: Stor
     if not isinstance(storage_writer, StorageWriter):
         raise TypeError("storage_writer must be a plait.checkpoint.StorageWriter (FileSystemWriter, "
                         f"HuggingFaceStorageWriter or your subclass), got {type(storage_writer).__name__}")
-    storage_writer.reset(checkpoint_id)
+    if checkpoint_id is not None:  # torch resets a given storage layer only to a new id
+        storage_writer.reset(checkpoint_id)
     return storage_writer
 
 

@@ -43,7 +43,12 @@ from plait.checkpoint.planner_api import (
     WriteItemType,
 )
 from plait.checkpoint.safetensors_io import read_chunk, write_file
-from plait.checkpoint.storage_api import StorageReader, StorageWriter, WriteResult, done
+from plait.checkpoint.storage_api import (  # torch's import path
+    StorageReader,
+    StorageWriter,
+    WriteResult,
+    done,
+)
 
 COMMIT_TIMEOUT_S = 1800.0  # finish() waits this long for the fragments it has just written
 
