@@ -195,3 +195,9 @@ def test_a_failing_rank_raises_checkpoint_exception_everywhere(tmp_path):
     path = str(tmp_path / "ckpt")
     got = run_distributed(_distributed, path, 1, world_size=2)
     assert got == [{"failed": [1], "committed": False}] * 2
+
+
+def test_async_save_refuses_a_custom_planner(tmp_path):
+    c = classes(source("plait"))
+    with pytest.raises(TypeError, match="async_save drives plait's DefaultSavePlanner.*use save"):
+        source("plait").dcp.async_save(state(), checkpoint_id=str(tmp_path / "c"), planner=c.RenamePlanner())

@@ -103,6 +103,16 @@ def test_shard1_boxes_written_in_place_and_read_by_range(tmp_path):
         assert torch.equal(tensors[k].view(torch.uint8), v.view(torch.uint8)), k
 
 
+def test_torch_hf_writer_output_reads_into_plait(tmp_path):
+    import torch.distributed.checkpoint as tdcp
+
+    ref = model_ref()
+    tdcp.save(ref, storage_writer=tdcp.HuggingFaceStorageWriter(str(tmp_path)), no_dist=True)
+    back = {k: torch.zeros_like(v) for k, v in ref.items()}
+    dcp.load(back, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path)))
+    assert all(torch.equal(back[k], v) for k, v in ref.items())
+
+
 def test_fqn_to_index_mapping_places_each_tensor(tmp_path):
     ref = model_ref()
     mapping = {k: 1 + (i % 2) for i, k in enumerate(ref)}
