@@ -1,12 +1,16 @@
 """Planners: which chunks this rank writes, and which saved pieces each local shard reads.
 
-    save: flat leaves -> WriteItems (fqn, offsets, sizes, local data), one writer per chunk
+    save: flat leaves -> ChunkWrites (fqn, offsets, sizes, local data), one writer per chunk
           plain tensor    -> one chunk, the whole tensor, written by one rank of the group
           DTensor         -> this rank's piece (Shard axes cut it, torch.chunk sizes);
                              ranks that hold the same piece along Replicate axes: only the one
                              at coordinate 0 on those axes writes it (dedup); Partial refused
-    load: flat leaves + Metadata -> ReadItems: for each local shard, every saved chunk that
+    load: flat leaves + Metadata -> ChunkReads: for each local shard, every saved chunk that
           overlaps it, with the box to copy (src offsets in the chunk, dst offsets in the shard)
+
+save()/load() with the built-in planner and file system storage call plan_leaves / plan_reads
+directly; default_planner.py puts these classes behind torch's SavePlanner / LoadPlanner
+protocol (planner_api.py, re-exported here as torch's ...checkpoint.planner has them).
 
 Both are pure functions of shapes and coordinates, so any saved layout reads into any
 current layout: the chunks of a tensor tile it exactly once, and the overlaps of a shard
@@ -111,7 +115,7 @@ def piece(shape, placements, mesh_shape, coordinate) -> tuple[tuple[int, ...], t
 
 
 class SaveChunkPlanner:
-    """The chunk logic of torch's SaveChunkPlanner (default_planner.py adds torch's protocol):
+    """The chunk logic of torch's DefaultSavePlanner (default_planner.py adds torch's protocol):
     flatten, dedup replicated chunks, one writer each.
 
     dedup_save_to_lowest_rank=False (torch's default) spreads the plain (replicated)
@@ -189,7 +193,7 @@ def _missing(fqn: str, v: Any, metadata: Metadata, where: str) -> str:
 
 
 class LoadChunkPlanner:
-    """The read logic of torch's LoadChunkPlanner (default_planner.py adds torch's protocol).
+    """The read logic of torch's DefaultLoadPlanner (default_planner.py adds torch's protocol).
     allow_partial_load=True reports keys missing from the
     checkpoint, unexpected saved keys and shape/dtype mismatches (warnings, and
     `self.report`) and skips them instead of raising."""
