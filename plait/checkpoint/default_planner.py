@@ -26,7 +26,13 @@ import torch
 from plait.checkpoint import values as values_mod
 from plait.checkpoint.flatten import assign, flatten
 from plait.checkpoint.metadata import safetensors_tag
-from plait.checkpoint.planner import LoadChunkPlanner, SaveChunkPlanner, _overlap, local_chunk
+from plait.checkpoint.planner import (
+    LoadChunkPlanner,
+    SaveChunkPlanner,
+    _layout,
+    _overlap,
+    local_chunk,
+)
 from plait.checkpoint.planner_api import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -47,6 +53,8 @@ from plait.checkpoint.planner_api import (
 )
 from plait.tensor.dtensor import DTensor
 
+LAYOUTS = "plait_layouts"  # planner_data key: fqn -> the DTensor's mesh and placements
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -61,8 +69,10 @@ class DefaultSavePlanner(SaveChunkPlanner, SavePlanner):
         self.storage_meta, self.is_coordinator = storage_meta, is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items = []
+        items, layouts = [], {}
         for fqn, v in self.state_dict.items():
+            if isinstance(v, DTensor):
+                layouts[fqn] = _layout(v)
             if not isinstance(v, torch.Tensor):
                 values_mod.encode(v, key=fqn)  # refused here, on every rank alike, not at write time
                 items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
@@ -77,7 +87,8 @@ class DefaultSavePlanner(SaveChunkPlanner, SavePlanner):
             items.append(WriteItem(MetadataIndex(fqn, offsets), kind,
                                    tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(local),
                                                                torch.Size(v.shape))))
-        self.plan = SavePlan(items)
+        # the saved layout, for `plait checkpoint inspect` (FileSystemWriter.finish records it)
+        self.plan = SavePlan(items, planner_data={LAYOUTS: layouts})
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -106,7 +117,12 @@ class DefaultSavePlanner(SaveChunkPlanner, SavePlanner):
         for entry in md.values():
             if isinstance(entry, TensorStorageMetadata):
                 entry.chunks.sort(key=lambda c: tuple(c.offsets))
-        return plans, Metadata(state_dict_metadata=md, storage_meta=getattr(self, "storage_meta", None))
+        layouts: dict[str, Any] = {}
+        for p in all_plans:
+            if isinstance(p.planner_data, dict):
+                layouts.update(p.planner_data.get(LAYOUTS, {}))
+        return plans, Metadata(state_dict_metadata=md, planner_data={LAYOUTS: layouts},
+                               storage_meta=getattr(self, "storage_meta", None))
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         self.plan = new_plan

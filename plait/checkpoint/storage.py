@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from plait.checkpoint import commit
+from plait.checkpoint.default_planner import LAYOUTS
 from plait.checkpoint.metadata import METADATA_FILE, ChunkMeta, Metadata, dtype_name
 from plait.checkpoint.planner import ChunkRead, ChunkWrite
 from plait.checkpoint.planner_api import (
@@ -162,7 +163,10 @@ class FileSystemWriter(StorageWriter):
     def finish(self, metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: each rank's results as its fragment, then the direct path's commit."""
         staging = commit.staging_dir(self.path)
-        tensors = {fqn: {"shape": list(e.size), "dtype": dtype_name(e.properties.dtype), "layout": {"placements": []}}
+        pd = metadata.planner_data
+        layouts = pd.get(LAYOUTS, {}) if isinstance(pd, dict) else {}  # DefaultSavePlanner's, if kept
+        tensors = {fqn: {"shape": list(e.size), "dtype": dtype_name(e.properties.dtype),
+                         "layout": layouts.get(fqn, {"placements": []})}
                    for fqn, e in metadata.state_dict_metadata.items() if isinstance(e, TensorStorageMetadata)}
         for r, rank_results in enumerate(results):
             chunks: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -172,12 +172,15 @@ def _distributed(path: str, fail_on_rank: int | None) -> dict:
         dcp.save({"model": laid_out("S0", 2)}, storage_writer=writer, planner=c.RenamePlanner())
     except dcp.CheckpointException as e:
         return {"failed": sorted(e.failures), "committed": os.path.exists(path)}
+    from plait.checkpoint import tools
+
+    tools_ok = tools.main(["verify", path]) == 0 and "[Shard(dim=0)]" in tools.inspect(path)
     loaded = {"foo_model": laid_out("S1", 2, zero=True)}
     dcp.load(loaded, checkpoint_id=path)
     total = torch.tensor([writer.bytes])
     comm.all_reduce(total, group=comm.world_group())
     ref = reference()
-    return {"bytes": int(total), "calls": writer.calls,
+    return {"bytes": int(total), "calls": writer.calls, "tools_ok": tools_ok,
             "equal": all(torch.equal(full(v).view(torch.uint8), ref[k].view(torch.uint8))
                          for k, v in loaded["foo_model"].items())}
 
@@ -187,6 +190,7 @@ def test_custom_planner_and_writer_on_two_ranks(tmp_path):
     got = run_distributed(_distributed, path, None, world_size=2)
     nbytes = sum(v.numel() * v.element_size() for v in reference().values())
     assert [g["equal"] for g in got] == [True, True]
+    assert [g["tools_ok"] for g in got] == [True, True]  # verify passes, inspect shows the saved layout
     assert got[0]["bytes"] == nbytes  # every chunk written once, across the ranks
     assert "finish" in got[0]["calls"] and "finish" not in got[1]["calls"]  # the coordinator's alone
 
