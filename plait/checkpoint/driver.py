@@ -11,18 +11,18 @@
           exchange -> coordinator: planner.create_global_plan -> reader.prepare_global_plan
           every rank: planner.finish_plan -> reader.read_data(plan, planner).wait()
 
-As torch's state_dict_saver / state_dict_loader do, with two differences: plans travel as
-JSON (plan_codec) through plait.comm, not pickle; and each exchange also carries every
-rank's failure, so a failure anywhere raises CheckpointException on every rank at the next
-exchange (torch's semantics) and no rank waits for one that has already failed.
-TODO(size): each exchange is an all_gather (group.py), so every rank receives the whole
-global plan, not only its own as torch's scatter gives; it is JSON of the chunk list,
-the size of metadata.json.
+As torch's state_dict_saver / state_dict_loader do, with torch's three steps: reduce_scatter
+(plans gathered to the coordinator, its global plan scattered: rank r receives plan r
+only), all_reduce (WriteResults gathered, finish, the Metadata sent back) and all_gather
+(load's read errors). Each step carries every rank's failure, so a failure anywhere raises
+CheckpointException on every rank (torch's semantics) and no rank waits for one that has
+already failed. Unlike torch, plans travel as JSON (plan_codec) through plait.comm, not pickle.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,22 +34,57 @@ from plait.checkpoint.stateful import Stateful, expand
 from plait.checkpoint.storage_api import CheckpointException, StorageReader, StorageWriter, wait
 
 
+def _wire(payload: Any, error: BaseException | None) -> tuple[Any, BaseException | None]:
+    if error is not None:
+        return None, error
+    try:
+        return to_wire(payload), None
+    except TypeError as e:
+        return None, e
+
+
+def _msg(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise(what: str, failures: dict[int, BaseException | str], group: Group, error: BaseException | None):
+    if error is not None:
+        failures[group.rank] = error
+    raise CheckpointException(f"checkpoint {what} failed on rank(s) {sorted(failures)}", failures) from error
+
+
 def _exchange(group: Group, what: str, error: BaseException | None, payload: Any = None) -> list[Any]:
-    """Collective: every rank's payload, or CheckpointException on every rank if any failed."""
-    wire = None
-    if error is None:
-        try:
-            wire = to_wire(payload)
-        except TypeError as e:
-            error = e
-    msg = None if error is None else f"{type(error).__name__}: {error}"
-    got = group.gather_json([msg, wire])
+    """torch's all_gather step: every rank's payload, or CheckpointException on every rank."""
+    wire, error = _wire(payload, error)
+    got = group.gather_json([_msg(error), wire])
     failures: dict[int, BaseException | str] = {r: m for r, (m, _) in enumerate(got) if m is not None}
     if failures:
-        if error is not None:
-            failures[group.rank] = error
-        raise CheckpointException(f"checkpoint {what} failed on rank(s) {sorted(failures)}", failures) from error
+        _raise(what, failures, group, error)
     return [from_wire(p) for _, p in got]
+
+
+def _reduce_scatter(group: Group, what: str, error: BaseException | None, payload: Any,
+                    central: Callable[[list[Any]], list[Any]]) -> Any:
+    """torch's reduce_scatter step: every rank's payload to the coordinator, which runs
+    `central` on them (one result per rank) unless a rank failed; rank r gets result r, or
+    CheckpointException with every failure. An all_reduce step is one whose results are equal."""
+    wire, error = _wire(payload, error)
+    got = group.gather_to_coordinator([_msg(error), wire])
+    out = None
+    if group.rank == 0:
+        failures = [[r, m] for r, (m, _) in enumerate(got) if m is not None]
+        if not failures:
+            try:
+                results = central([from_wire(p) for _, p in got])
+                out = [[None, to_wire(x)] for x in results]
+            except Exception as e:  # noqa: BLE001 - the coordinator's failure must reach every rank
+                error, failures = e, [[0, _msg(e)]]
+        if failures:
+            out = [[failures, None]] * group.size
+    failures, value = group.scatter_from_coordinator(out)
+    if failures:
+        _raise(what, {r: m for r, m in failures}, group, error if group.rank in {r for r, _ in failures} else None)
+    return from_wire(value)
 
 
 def _call_with_rank(method, first: tuple, group: Group) -> None:
@@ -63,7 +98,7 @@ def _call_with_rank(method, first: tuple, group: Group) -> None:
 
 def save_with(state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner, group: Group) -> Metadata:
     coordinator = group.rank == 0
-    error, plan = None, None
+    error, plan, metadata = None, None, None
     try:
         expanded, _ = expand(state_dict)
         storage_meta = writer.storage_meta()
@@ -75,31 +110,28 @@ def save_with(state_dict: dict[str, Any], writer: StorageWriter, planner: SavePl
         plan = writer.prepare_local_plan(planner.create_local_plan())
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
         error = e
-    all_plans = _exchange(group, "planning", error, plan)
-    global_plans, metadata = None, None
-    if coordinator:
-        try:
-            global_plans, metadata = planner.create_global_plan(all_plans)
-            global_plans = writer.prepare_global_plan(global_plans)
-            if len(global_plans) != group.size:
-                raise ValueError(f"create_global_plan/prepare_global_plan returned {len(global_plans)} plans "
-                                 f"for {group.size} ranks: one plan per rank, in rank order")
-        except Exception as e:  # noqa: BLE001
-            error = e
-    central = _exchange(group, "global planning", error, global_plans)[0][group.rank]
+
+    def global_step(all_plans: list) -> list:
+        nonlocal metadata
+        plans, metadata = planner.create_global_plan(all_plans)
+        plans = writer.prepare_global_plan(plans)
+        if len(plans) != group.size:
+            raise ValueError(f"create_global_plan/prepare_global_plan returned {len(plans)} plans for "
+                             f"{group.size} ranks: one plan per rank, in rank order")
+        return plans
+
+    central = _reduce_scatter(group, "planning", error, plan, global_step)
     results = None
     try:
-        final = planner.finish_plan(central)
-        results = wait(writer.write_data(final, planner))
+        results = wait(writer.write_data(planner.finish_plan(central), planner))
     except Exception as e:  # noqa: BLE001
         error = e
-    all_results = _exchange(group, "write", error, results)
-    if coordinator:
-        try:
-            writer.finish(metadata=metadata, results=all_results)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    return _exchange(group, "commit", error, metadata if coordinator else None)[0]
+
+    def finish(all_results: list) -> list:
+        writer.finish(metadata=metadata, results=all_results)
+        return [metadata] * group.size
+
+    return _reduce_scatter(group, "write", error, results, finish)
 
 
 def load_with(state_dict: dict[str, Any], reader: StorageReader, planner: LoadPlanner, group: Group) -> None:
@@ -113,14 +145,8 @@ def load_with(state_dict: dict[str, Any], reader: StorageReader, planner: LoadPl
         plan = reader.prepare_local_plan(planner.create_local_plan())
     except Exception as e:  # noqa: BLE001
         error = e
-    all_plans = _exchange(group, "load planning", error, plan)
-    global_plans = None
-    if coordinator:
-        try:
-            global_plans = reader.prepare_global_plan(planner.create_global_plan(all_plans))
-        except Exception as e:  # noqa: BLE001
-            error = e
-    central = _exchange(group, "load global planning", error, global_plans)[0][group.rank]
+    central = _reduce_scatter(group, "load planning", error, plan,
+                              lambda plans: reader.prepare_global_plan(planner.create_global_plan(plans)))
     try:
         with torch.no_grad():
             wait(reader.read_data(planner.finish_plan(central), planner))

@@ -205,3 +205,23 @@ def test_async_save_refuses_a_custom_planner(tmp_path):
     c = classes(source("plait"))
     with pytest.raises(TypeError, match="async_save drives plait's DefaultSavePlanner.*use save"):
         source("plait").dcp.async_save(state(), checkpoint_id=str(tmp_path / "c"), planner=c.RenamePlanner())
+
+
+def _global_plan_fails(path: str) -> list[int]:
+    dcp = source("plait").dcp
+
+    class Refuses(dcp.DefaultSavePlanner):
+        def create_global_plan(self, all_plans):
+            raise ValueError(f"refused {len(all_plans)} plans")
+
+    try:
+        dcp.save({"model": laid_out("S0", 3)}, checkpoint_id=path, planner=Refuses())
+    except dcp.CheckpointException as e:
+        assert "refused 3 plans" in str(e), str(e)
+        return sorted(e.failures)
+    return []
+
+
+def test_coordinator_failure_reaches_every_rank(tmp_path):
+    """create_global_plan runs on the coordinator alone; its failure is scattered to all."""
+    assert run_distributed(_global_plan_fails, str(tmp_path / "c"), world_size=3) == [[0]] * 3
