@@ -16,7 +16,8 @@ BANNED = [
     "torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.fsdp",
     "torch.distributed._composable", "torch.distributed.pipelining", "torch.distributed.checkpoint",
     "torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
-    "torch.distributed.algorithms", "torch.distributed.flight_recorder", "torch.distributed._tools",
+    "torch.distributed.algorithms", "torch.distributed.optim", "torch.distributed.flight_recorder",
+    "torch.distributed._tools",
     "torch.nn.parallel",
 ]
 

@@ -16,12 +16,14 @@ hf_storage.py writes and reads the Hugging Face layout on them. (Modules are not
 save/load/async_save: those names are the functions.)
 """
 
+from plait.checkpoint import format_utils
 from plait.checkpoint.async_saver import async_save
 from plait.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from plait.checkpoint.deprecated import load_state_dict, save_state_dict
 from plait.checkpoint.group import CheckpointError
 from plait.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from plait.checkpoint.loader import load
-from plait.checkpoint.metadata import ChunkMeta, TensorMeta
+from plait.checkpoint.metadata import ChunkMeta, CorruptCheckpointError, TensorMeta
 from plait.checkpoint.planner_api import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -60,3 +62,5 @@ __all__ = [
     "StorageWriter", "TensorProperties", "TensorStorageMetadata", "WriteItem", "WriteItemType", "WriteResult",
     "HuggingFaceStorageReader", "HuggingFaceStorageWriter",
 ]
+# integrity (every byte under a checksum), torch's format utilities and deprecated names
+__all__ += ["CorruptCheckpointError", "format_utils", "load_state_dict", "save_state_dict"]

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from plait.checkpoint.metadata import METADATA_FILE, ChunkMeta, Metadata, TensorMeta
+from plait.checkpoint.metadata import METADATA_FILE, ChunkMeta, FileMeta, Metadata, TensorMeta
 
 INCOMPLETE = ".incomplete"
 OLD = ".old"
@@ -91,6 +91,7 @@ def merge(fragments: list[dict[str, Any]]) -> Metadata:
     tensors: dict[str, TensorMeta] = {}
     values: dict[str, Any] = {}
     files: list[str] = []
+    file_meta: dict[str, FileMeta] = {}
     for fr in fragments:  # in rank order: the lowest rank's value of a key wins
         for fqn, t in fr["tensors"].items():
             have = tensors.get(fqn)
@@ -104,13 +105,17 @@ def merge(fragments: list[dict[str, Any]]) -> Metadata:
         for fqn, v in fr["values"].items():
             values.setdefault(fqn, v)
         files.extend(fr["files"])
+        file_meta.update((f, FileMeta(**m)) for f, m in fr["file_meta"].items())
     for fqn, t in tensors.items():
         covered = sum(math.prod(c.sizes) for c in t.chunks)
         if covered != math.prod(t.shape):
             raise ValueError(f"tensor {fqn!r} {t.dtype}{t.shape}: the ranks' chunks cover {covered} of "
                              f"{math.prod(t.shape)} elements; ranks hold inconsistent layouts of it")
         t.chunks.sort(key=lambda c: c.offsets)
-    return Metadata(tensors, values, len(fragments), files)
+    unsummed = [f for f in files if f not in file_meta]
+    if unsummed:  # every byte is under a checksum, or the save is not committed
+        raise ValueError(f"files {unsummed} were written without their size and header checksum")
+    return Metadata(tensors, values, len(fragments), files, file_meta)
 
 
 def finish(path: str, world_size: int, *, sync: bool, timeout: float) -> Metadata:

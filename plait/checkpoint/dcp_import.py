@@ -17,6 +17,7 @@ import io
 import math
 import os
 import pickle
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -159,6 +160,7 @@ def import_torch_dcp(directory: str, out: str) -> dict[str, Any]:
         for f in opened.values():
             f.close()
     commit.write_fragment(staging, 0, {"rank": 0, "tensors": tensors, "chunks": chunks, "values": vals,
-                                       "files": ["__0_0.safetensors"], "error": None}, sync=True)
+                                       "files": ["__0_0.safetensors"],
+                                       "file_meta": {"__0_0.safetensors": asdict(written.file_meta)}, "error": None}, sync=True)
     commit.finish(out, 1, sync=True, timeout=1.0)
     return {"tensors": len(tensors), "values": len(vals)}

@@ -5,9 +5,16 @@
                file, name, begin, nbytes, crc32)])   -- the chunks tile the global tensor once
       values:  fqn -> JSON (values.encode)           -- non-tensor state, rank 0's
       world_size, files
+      file_meta: file -> FileMeta(size, header_nbytes, header_crc32)   (version 2)
+      ..., "metadata_crc32": "<crc32 of every byte of this file before this key>"}   (version 2)
 
 A chunk is one saved piece of a tensor: its place in the global tensor (offsets, sizes per
 dim), where its bytes lie (file, byte range [begin, begin+nbytes)) and their zlib.crc32.
+Every byte of a version-2 checkpoint is under a checksum: a tensor file is its header
+(FileMeta.header_crc32 over bytes [0, header_nbytes)) followed by its chunks (each chunk's
+crc32), exactly `size` bytes; metadata.json carries its own crc32 as its last key, so it
+stays plain JSON and is committed by the same rename as before (commit.py). Version 1
+(no file_meta, no metadata_crc32) still loads, with the chunks' checksums only.
 `layout` records how the tensor was laid out when saved (mesh shape, axis names,
 placements), for `plait checkpoint inspect`; load never needs it, since the chunks say
 where every element is.
@@ -17,14 +24,23 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 FORMAT = "plait-checkpoint"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions this plait loads (1: before headers and metadata.json were checksummed)
 METADATA_FILE = "metadata.json"
+# the last bytes of a version-2 metadata.json; the crc32 covers every byte before the match
+_TRAILER = re.compile(rb',\n "metadata_crc32": "([0-9a-f]{8})"\n\}\n\Z')
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint's bytes are not the ones saved: a checksum, size or parse failed."""
 
 # torch dtype <-> safetensors dtype tag
 _ST_TAGS = {
@@ -65,6 +81,16 @@ class ChunkMeta:
 
 
 @dataclass
+class FileMeta:
+    """A tensor file as written: `size` bytes, the first `header_nbytes` (length prefix,
+    JSON header, padding) with crc32 `header_crc32`; the chunks' byte ranges are the rest."""
+
+    size: int
+    header_nbytes: int
+    header_crc32: int
+
+
+@dataclass
 class TensorMeta:
     shape: list[int]
     dtype: str
@@ -85,6 +111,7 @@ class Metadata:
     values: dict[str, Any]
     world_size: int
     files: list[str]
+    file_meta: dict[str, FileMeta] = field(default_factory=dict)  # empty in a version-1 checkpoint
     # torch's Metadata fields, for planners and storage layers written against torch's DCP
     planner_data = None
     storage_meta = None
@@ -106,20 +133,37 @@ class Metadata:
 
     def to_json(self) -> str:
         body = {"format": FORMAT, "version": VERSION, **asdict(self)}
-        return json.dumps(body, indent=1, sort_keys=False)
+        text = json.dumps(body, indent=1, sort_keys=False)  # ASCII (ensure_ascii), ends "\n}"
+        head = text[:-2].encode()
+        return f'{text[:-2]},\n "metadata_crc32": "{zlib.crc32(head):08x}"\n}}\n'
 
     @staticmethod
-    def from_json(text: str, *, where: str) -> Metadata:
+    def from_json(text: str | bytes, *, where: str) -> Metadata:
+        """Parse metadata.json's bytes (checksum first, so a flipped byte is named as one)."""
+        data = text.encode() if isinstance(text, str) else text
+        trailer = _TRAILER.search(data)
+        if trailer is not None:
+            crc = zlib.crc32(data[:trailer.start()])
+            if crc != int(trailer.group(1), 16):
+                raise CorruptCheckpointError(f"checksum mismatch in {where}: crc32 {crc:#010x}, saved "
+                                             f"{int(trailer.group(1), 16):#010x}")
         try:
-            body = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+            body = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(f"{where} ({len(data)} bytes) is not valid JSON ({e})") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT:
-            raise ValueError(f"{where} is not plait checkpoint metadata (no format={FORMAT!r})")
-        if body.get("version") != VERSION:
-            raise ValueError(f"{where} has format version {body.get('version')}; this plait reads {VERSION}")
-        tensors = {
-            k: TensorMeta(t["shape"], t["dtype"], t["layout"], [ChunkMeta(**c) for c in t["chunks"]])
-            for k, t in body["tensors"].items()
-        }
-        return Metadata(tensors, body["values"], body["world_size"], body["files"])
+            raise CorruptCheckpointError(f"{where} is not plait checkpoint metadata (no format={FORMAT!r})")
+        if body.get("version") not in READS:
+            raise ValueError(f"{where} has format version {body.get('version')}; this plait reads {READS}")
+        if body["version"] >= 2 and trailer is None:  # a v1 file has no trailer; a v2 one lost it
+            raise CorruptCheckpointError(f"{where} is truncated or damaged at its end: its checksum (the "
+                                         f'last key, "metadata_crc32") is missing or malformed')
+        try:
+            tensors = {
+                k: TensorMeta(t["shape"], t["dtype"], t["layout"], [ChunkMeta(**c) for c in t["chunks"]])
+                for k, t in body["tensors"].items()
+            }
+            files = {k: FileMeta(**f) for k, f in body.get("file_meta", {}).items()}
+            return Metadata(tensors, body["values"], body["world_size"], body["files"], files)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{where} lacks or mangles a field ({type(e).__name__}: {e})") from None

@@ -2,6 +2,8 @@
 
     file = u64 header length | JSON header {name: {dtype, shape, data_offsets}} | tensor bytes
     write_file(path, [(name, tensor)]) -> [(name, begin, nbytes, crc32)]  (begin: file offset)
+        .file_meta: FileMeta(size, header_nbytes, header_crc32) of the whole file
+    check_file(path, meta, ...)  -> the file's size and its header's crc32 as saved, or ChunkError
     read_chunk(path, chunk, into=None) -> uint8 tensor of the chunk's bytes, crc32 verified
 
 This is the safetensors layout exactly (any safetensors reader opens these files; the tests
@@ -9,7 +11,8 @@ open them with `safetensors.safe_open`), written here rather than with
 `safetensors.torch.save_file` because that copies every tensor to a bytes object first
 (one extra copy of the rank's state in memory), refuses tensors that share storage (tied
 weights), and does not tell the byte range of each tensor, which the metadata records.
-The checksum is computed on the bytes as they are written, so it costs one read of memory.
+The checksums (each chunk's, the header's) are computed on the bytes as they are written,
+so they cost one read of memory and no read of the file.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from plait.checkpoint.metadata import ChunkMeta, safetensors_tag
+from plait.checkpoint.metadata import ChunkMeta, CorruptCheckpointError, FileMeta, safetensors_tag
 
 _BLOCK = 64 << 20  # crc32 and write in blocks: bounded temporaries, GIL released by both
 
@@ -32,7 +35,14 @@ def _bytes_of(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def write_file(path: str, tensors: Sequence[tuple[str, torch.Tensor]], *, sync: bool) -> list[tuple[str, int, int, int]]:
+class WrittenFile(list):
+    """write_file's result: [(name, begin, nbytes, crc32)] per tensor, as callers iterate it,
+    plus `file_meta`, which covers the bytes the chunks do not (the header) and the size."""
+
+    file_meta: FileMeta
+
+
+def write_file(path: str, tensors: Sequence[tuple[str, torch.Tensor]], *, sync: bool) -> WrittenFile:
     header, cpu, offset = {}, [], 0
     for name, t in tensors:
         t = t.detach()
@@ -46,11 +56,12 @@ def write_file(path: str, tensors: Sequence[tuple[str, torch.Tensor]], *, sync: 
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data area to 8 bytes
-    base = 8 + len(raw)
-    out = []
+    head = struct.pack("<Q", len(raw)) + raw
+    base = len(head)
+    out = WrittenFile()
+    out.file_meta = FileMeta(size=base + offset, header_nbytes=base, header_crc32=zlib.crc32(head))
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(head)
         for name, t, n in cpu:
             crc = 0
             if n:
@@ -66,8 +77,35 @@ def write_file(path: str, tensors: Sequence[tuple[str, torch.Tensor]], *, sync: 
     return out
 
 
-class ChunkError(ValueError):
-    """A saved chunk is missing, truncated or corrupted."""
+class ChunkError(CorruptCheckpointError):
+    """A saved chunk or its file is missing, truncated or corrupted."""
+
+
+def _tensors(fqns: Sequence[str]) -> str:
+    """"tensor 'a'", or "tensor 'a' and 2 more ('b', 'c')": the tensors a file holds."""
+    names = sorted(set(fqns)) or ["?"]
+    more = names[1:]
+    shown = ", ".join(map(repr, more[:3])) + (", ..." if len(more) > 3 else "")
+    return f"tensor {names[0]!r}" + (f" and {len(more)} more ({shown})" if more else "")
+
+
+def check_file(path: str, meta: FileMeta, *, file: str, fqns: Sequence[str]) -> None:
+    """The file is `meta.size` bytes and its header has the saved crc32 (`fqns`: the tensors
+    it holds, for the message). Reads only the header."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        raise ChunkError(f"file {file!r} of {_tensors(sorted(set(fqns))[:1])} is missing ({path}); it held {_tensors(fqns)}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != meta.size:
+            what = "is truncated" if size < meta.size else "has grown"
+            raise ChunkError(f"file {file!r} {what}: {size} bytes, saved {meta.size}; it holds {_tensors(fqns)}")
+        crc = zlib.crc32(f.read(meta.header_nbytes))
+    if crc != meta.header_crc32:
+        raise ChunkError(f"checksum mismatch in the safetensors header of file {file!r} (bytes [0, "
+                         f"{meta.header_nbytes}), the index of {_tensors(fqns)}): crc32 {crc:#010x}, "
+                         f"saved {meta.header_crc32:#010x}")
 
 
 def read_chunk(path: str, chunk: ChunkMeta, *, fqn: str, into: torch.Tensor | None = None) -> torch.Tensor:

@@ -83,13 +83,13 @@ def prepare(state_dict: dict[str, Any], checkpoint_id, storage_writer, planner, 
 
 def write_own(p: Prepared, items: list[ChunkWrite]) -> BaseException | None:
     """Write this rank's files and its fragment; the error, if any, goes in the fragment."""
-    error, files, chunks = None, [], {}
+    error, files, chunks, file_meta = None, [], {}, {}
     try:
-        files, chunks = p.writer.write(items, p.staging, p.group.rank)
+        files, chunks, file_meta = p.writer.write(items, p.staging, p.group.rank)
     except Exception as e:  # noqa: BLE001 - any failure must reach the fragment, or rank 0 waits for it
         error = e
     body = {"rank": p.group.rank, "tensors": p.plan.tensors, "chunks": chunks, "values": p.plan.values,
-            "files": files, "error": None if error is None else f"{type(error).__name__}: {error}"}
+            "files": files, "file_meta": file_meta, "error": None if error is None else f"{type(error).__name__}: {error}"}
     try:
         # not fsynced: rank 0 reads it at once and removes it; durability is metadata.json's job
         commit.write_fragment(p.staging, p.group.rank, body, sync=False)
@@ -100,7 +100,7 @@ def write_own(p: Prepared, items: list[ChunkWrite]) -> BaseException | None:
 
 def read_committed(path: str) -> Metadata:
     where = os.path.join(path, METADATA_FILE)
-    with open(where) as f:
+    with open(where, "rb") as f:
         return Metadata.from_json(f.read(), where=where)
 
 

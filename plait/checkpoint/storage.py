@@ -1,19 +1,24 @@
 """FileSystemWriter / FileSystemReader: torch's names, a directory of safetensors files.
 
-    writer.write(items, staging, rank) -> files, {fqn: [chunk]}   (thread_count threads, a
-        file each: __R_T.safetensors; single_file_per_rank=False: a file per chunk)
-    reader.read_metadata() -> Metadata          (refuses an incomplete checkpoint, says why)
-    reader.read(reads)                           (every chunk's crc32 checked; a chunk that
-        is exactly one local box is read straight into it, the rest through a buffer)
+    writer.write(items, staging, rank) -> files, {fqn: [chunk]}, {file: FileMeta}
+        (thread_count threads, a file each: __R_T.safetensors; single_file_per_rank=False:
+        a file per chunk)
+    reader.read_metadata() -> Metadata          (refuses an incomplete checkpoint, says why;
+        metadata.json's own crc32 checked)
+    reader.read(reads)                           (each file read from: its size and header
+        crc32 checked once; every chunk's crc32 checked; a chunk that is exactly one local
+        box is read straight into it, the rest through a buffer)
+A corrupt byte raises CorruptCheckpointError naming the file (the tensor where there is
+one), the checkpoint, and the previous complete one beside it (integrity.describe).
 
 Both also implement torch's StorageWriter / StorageReader protocol (storage_api.py), which
 save()/load() drive for a custom planner, and a custom storage layer may wrap:
     write_data(plan, planner): resolve_data per item -> the same files -> WriteResults whose
-        storage_data is the ChunkMeta (a value: its JSON)
+        storage_data is the ChunkMeta and the file's FileMeta (a value: its JSON)
     finish(metadata, results): the results as per-rank fragments -> commit.finish (the
         atomic commit the direct path uses)
-    read_data(plan, planner): per saved chunk, one checked read -> resolve_tensor, copy_,
-        commit_tensor per box; a value: load_bytes with its JSON
+    read_data(plan, planner): the same checks as read (file size and header, chunk crc32)
+        -> resolve_tensor, copy_, commit_tensor per box; a value: load_bytes with its JSON
 """
 
 from __future__ import annotations
@@ -29,9 +34,16 @@ from typing import Any
 
 import torch
 
-from plait.checkpoint import commit
+from plait.checkpoint import commit, integrity
 from plait.checkpoint.default_planner import LAYOUTS
-from plait.checkpoint.metadata import METADATA_FILE, ChunkMeta, Metadata, dtype_name
+from plait.checkpoint.metadata import (
+    METADATA_FILE,
+    ChunkMeta,
+    CorruptCheckpointError,
+    FileMeta,
+    Metadata,
+    dtype_name,
+)
 from plait.checkpoint.planner import ChunkRead, ChunkWrite
 from plait.checkpoint.planner_api import (
     LoadItemType,
@@ -43,7 +55,7 @@ from plait.checkpoint.planner_api import (
     TensorStorageMetadata,
     WriteItemType,
 )
-from plait.checkpoint.safetensors_io import read_chunk, write_file
+from plait.checkpoint.safetensors_io import check_file, read_chunk, write_file
 from plait.checkpoint.storage_api import (  # torch's import path
     StorageReader,
     StorageWriter,
@@ -92,12 +104,15 @@ class FileSystemWriter(StorageWriter):
             sizes[i] += it.data.numel() * it.data.element_size()
         return [(f"__{rank}_{i}.safetensors", b) for i, b in enumerate(buckets) if b]
 
-    def write(self, items: list[ChunkWrite], staging: str, rank: int) -> tuple[list[str], dict[str, list[dict[str, Any]]]]:
+    def write(self, items: list[ChunkWrite], staging: str,
+              rank: int) -> tuple[list[str], dict[str, list[dict[str, Any]]], dict[str, dict[str, int]]]:
         buckets = self._buckets(items, rank)
+        file_meta: dict[str, dict[str, int]] = {}
 
         def one(name: str, bucket: list[ChunkWrite]) -> list[tuple[ChunkWrite, tuple[str, int, int, int]]]:
             written = write_file(os.path.join(staging, name),
                                  [(chunk_name(it.fqn, it.offsets), it.data) for it in bucket], sync=self.sync_files)
+            file_meta[name] = asdict(written.file_meta)  # one key per thread: no lock needed
             return list(zip(bucket, written))
 
         if self.thread_count > 1 and len(buckets) > 1:
@@ -109,7 +124,7 @@ class FileSystemWriter(StorageWriter):
         for (file, _), result in zip(buckets, results):
             for it, (name, begin, nbytes, crc) in result:
                 chunks[it.fqn].append(asdict(ChunkMeta(list(it.offsets), list(it.sizes), file, name, begin, nbytes, crc)))
-        return [f for f, _ in buckets], dict(chunks)
+        return [f for f, _ in buckets], dict(chunks), file_meta
 
     # torch's StorageWriter protocol (driver.py calls these in torch's order)
 
@@ -152,12 +167,12 @@ class FileSystemWriter(StorageWriter):
                                  f"has sizes {list(td.chunk.sizes)}")
             chunks.append(ChunkWrite(it.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes),
                                      data.to(td.properties.dtype), tuple(td.size), {}))
-        _, written = self.write(chunks, commit.staging_dir(self.path), getattr(self, "rank", 0))
+        _, written, file_meta = self.write(chunks, commit.staging_dir(self.path), getattr(self, "rank", 0))
         by_key = {(fqn, tuple(c["offsets"])): c for fqn, cs in written.items() for c in cs}
         for it in plan.items:
             if it.type != WriteItemType.BYTE_IO:
                 c = by_key[(it.index.fqn, tuple(it.tensor_data.chunk.offsets))]
-                results.append(WriteResult(it.index, c["nbytes"], {"chunk": c}))
+                results.append(WriteResult(it.index, c["nbytes"], {"chunk": c, "file_meta": file_meta[c["file"]]}))
         return done(results)
 
     def finish(self, metadata, results: list[list[WriteResult]]) -> None:
@@ -171,14 +186,15 @@ class FileSystemWriter(StorageWriter):
         for r, rank_results in enumerate(results):
             chunks: dict[str, list[dict[str, Any]]] = defaultdict(list)
             values: dict[str, Any] = {}
+            file_meta: dict[str, dict[str, int]] = {}
             for res in rank_results:
                 if "value" in res.storage_data:
                     values[res.index.fqn] = res.storage_data["value"]
                 else:
                     chunks[res.index.fqn].append(res.storage_data["chunk"])
-            files = sorted({c["file"] for cs in chunks.values() for c in cs})
+                    file_meta[res.storage_data["chunk"]["file"]] = res.storage_data["file_meta"]
             body = {"rank": r, "tensors": tensors if r == 0 else {}, "chunks": dict(chunks), "values": values,
-                    "files": files, "error": None}
+                    "files": sorted(file_meta), "file_meta": file_meta, "error": None}
             commit.write_fragment(staging, r, body, sync=False)
         commit.finish(self.path, len(results), sync=self.sync_files, timeout=COMMIT_TIMEOUT_S)
 
@@ -188,20 +204,41 @@ class FileSystemReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+        self._file_meta: dict[str, FileMeta] = {}  # from read_metadata: what read checks each file against
+        self._fqns: dict[str, list[str]] = {}  # file -> the tensors it holds (for messages)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
+        self._file_meta, self._fqns = {}, {}
 
     def read_metadata(self) -> Metadata:
         problem = commit.status(self.path)
         if problem is not None:
             raise ValueError(problem)
         where = os.path.join(self.path, METADATA_FILE)
-        with open(where) as f:
-            return Metadata.from_json(f.read(), where=where)
+        with open(where, "rb") as f:
+            data = f.read()
+        try:
+            md = Metadata.from_json(data, where=where)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(integrity.describe(self.path, str(e))) from None
+        self._file_meta, self._fqns = md.file_meta, defaultdict(list)
+        for fqn, t in md.tensors.items():
+            for c in t.chunks:
+                self._fqns[c.file].append(fqn)
+        return md
 
     def read(self, reads: list[ChunkRead]) -> None:
+        try:
+            self._read(reads)
+        except CorruptCheckpointError as e:
+            raise type(e)(integrity.describe(self.path, str(e))) from None
+
+    def _read(self, reads: list[ChunkRead]) -> None:
+        for file in sorted({r.chunk.file for r in reads}):
+            if file in self._file_meta:  # absent in a version-1 checkpoint: chunks checked only
+                check_file(os.path.join(self.path, file), self._file_meta[file], file=file, fqns=self._fqns[file])
         by_chunk: dict[tuple[str, int], list[ChunkRead]] = defaultdict(list)
         for r in reads:
             by_chunk[(r.chunk.file, r.chunk.begin)].append(r)
@@ -222,7 +259,6 @@ class FileSystemReader(StorageReader):
                 for d, (start, n) in enumerate(zip(r.src_offsets, r.sizes)):
                     src = src.narrow(d, start, n)
                 r.dst.copy_(src)
-
     # torch's StorageReader protocol (driver.py calls these in torch's order)
 
     @classmethod
@@ -239,6 +275,12 @@ class FileSystemReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        try:
+            return self._read_data(plan, planner)
+        except CorruptCheckpointError as e:
+            raise type(e)(integrity.describe(self.path, str(e))) from None
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner):
         md = self.metadata
         by_chunk = defaultdict(list)
         for r in plan.items:
@@ -246,8 +288,13 @@ class FileSystemReader(StorageReader):
                 planner.load_bytes(r, io.BytesIO(json.dumps(md.values[r.storage_index.fqn]).encode()))
             else:
                 by_chunk[r.storage_index].append(r)
+        chunks = {index: md.storage_data.get(index) for index in by_chunk}
+        for file in sorted({c.file for c in chunks.values() if c is not None}):
+            if file in md.file_meta:  # absent in a version-1 checkpoint: chunks checked only
+                fqns = sorted({fqn for fqn, t in md.tensors.items() for ch in t.chunks if ch.file == file})
+                check_file(os.path.join(self.path, file), md.file_meta[file], file=file, fqns=fqns)
         for index, reads in by_chunk.items():
-            c = md.storage_data.get(index)
+            c = chunks[index]
             if c is None:
                 raise ValueError(f"checkpoint {self.path} has no chunk of {index.fqn!r} at offsets "
                                  f"{list(index.offset or ())}: the load plan asks for one it never saved")

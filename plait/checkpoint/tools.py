@@ -1,7 +1,9 @@
 """`plait checkpoint inspect | verify | consolidate | import-torch-dcp`.
 
     inspect PATH                  tensors (shape, dtype, saved layout, chunks), values, size
-    verify PATH                   every chunk's crc32 and the tiling; exit 1 naming each problem
+    verify PATH                   every byte: metadata.json's crc32, each file's size and header
+                                  crc32, every chunk's crc32, the tiling; exit 1 naming each
+                                  problem, then "checkpoint PATH is corrupt" and the previous one
     consolidate PATH OUT.safetensors   one full-tensor file any safetensors reader opens
                                   (non-tensor values in its __metadata__["plait.values"], JSON)
     import-torch-dcp DIR OUT      a torch.distributed.checkpoint directory -> plait checkpoint
@@ -20,9 +22,9 @@ import sys
 
 import torch
 
-from plait.checkpoint import commit
-from plait.checkpoint.metadata import Metadata, dtype_from_name
-from plait.checkpoint.safetensors_io import ChunkError, read_chunk
+from plait.checkpoint import commit, integrity
+from plait.checkpoint.metadata import METADATA_FILE, Metadata, dtype_from_name
+from plait.checkpoint.safetensors_io import ChunkError, check_file, read_chunk
 from plait.checkpoint.storage import FileSystemReader
 
 
@@ -58,26 +60,76 @@ def full_tensor(reader: FileSystemReader, md: Metadata, fqn: str) -> torch.Tenso
     return out
 
 
+def _file_problems(path: str, md: Metadata) -> tuple[list[str], set[str]]:
+    """Each file's size and header crc32, and that its header and chunks tile it (no byte
+    outside a checksum); the problems and the files that are missing."""
+    problems, missing = [], set()
+    chunks: dict[str, list[tuple[int, int, str]]] = {f: [] for f in md.files}
+    for fqn, t in md.tensors.items():
+        for c in t.chunks:
+            chunks.setdefault(c.file, []).append((c.begin, c.nbytes, fqn))
+    for file, spans in chunks.items():
+        meta = md.file_meta.get(file)
+        if meta is None:
+            if md.file_meta:  # version 1 records none; a version-2 file without one is unchecked bytes
+                problems.append(f"file {file!r} has no recorded size and header checksum")
+            continue
+        try:
+            check_file(os.path.join(path, file), meta, file=file, fqns=[f for _, _, f in spans])
+        except ChunkError as e:
+            problems.append(str(e))
+            missing |= {file} if not os.path.exists(os.path.join(path, file)) else set()
+        at = meta.header_nbytes
+        for begin, nbytes, fqn in sorted(spans):
+            if begin != at:
+                problems.append(f"file {file!r}: bytes [{at}, {begin}) before tensor {fqn!r} are under no checksum")
+            at = max(at, begin + nbytes)
+        if at != meta.size:
+            problems.append(f"file {file!r}: its chunks end at byte {at}, the file has {meta.size}")
+    return problems, missing
+
+
 def verify(path: str) -> list[str]:
     """Every problem found (empty: the checkpoint is complete and intact)."""
     problem = commit.status(path)
     if problem is not None:
         return [problem]
+    where = os.path.join(path, METADATA_FILE)
     try:
-        md = FileSystemReader(path).read_metadata()
-    except ValueError as e:
+        with open(where, "rb") as f:
+            md = Metadata.from_json(f.read(), where=where)
+    except (ValueError, OSError) as e:
         return [str(e)]
-    problems = []
+    problems, missing = _file_problems(path, md)
     for fqn, t in md.tensors.items():
         covered = sum(math.prod(c.sizes) for c in t.chunks)
         if covered != math.prod(t.shape):
             problems.append(f"tensor {fqn!r}: chunks cover {covered} of {math.prod(t.shape)} elements")
         for c in t.chunks:
+            if c.file in missing:  # said once, by _file_problems
+                continue
             try:
                 read_chunk(os.path.join(path, c.file), c, fqn=fqn)
             except ChunkError as e:
                 problems.append(str(e))
     return problems
+
+
+def _verify_main(path: str) -> int:
+    problems = verify(path)
+    if problems and commit.status(path) is not None:  # not committed (incomplete, missing): not corrupt
+        print(f"FAIL {problems[0]}{integrity.fallback(path)}", file=sys.stderr)
+        return 1
+    for p in problems:
+        print(f"FAIL {p}", file=sys.stderr)
+    if not problems:
+        md = FileSystemReader(path).read_metadata()
+        unsummed = " (format version 1: its headers and metadata.json carry no checksum)" if (
+            md.files and not md.file_meta) else ""
+        print(f"OK {path}: every checksum matches{unsummed}")
+        return 0
+    print(f"FAIL {integrity.describe(path, f'{len(problems)} problem(s) above')}", file=sys.stderr)
+    return 1
 
 
 def consolidate(path: str, out: str) -> None:
@@ -105,12 +157,7 @@ def main(argv: list[str]) -> int:
         if args.cmd == "inspect":
             print(inspect(args.path))
         elif args.cmd == "verify":
-            problems = verify(args.path)
-            for p in problems:
-                print(f"FAIL {p}", file=sys.stderr)
-            if problems:
-                return 1
-            print(f"OK {args.path}: every chunk's checksum matches")
+            return _verify_main(args.path)
         elif args.cmd == "consolidate":
             consolidate(args.path, args.out)
             print(f"wrote {args.out}")

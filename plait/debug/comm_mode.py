@@ -4,6 +4,7 @@
         loss = model(x).sum(); loss.backward()
     mode.get_total_counts()                 # 2
     mode.get_comm_counts()["all_reduce"]    # 1  (comm.all_reduce works as a key too)
+    mode.get_comm_counts()[torch.ops.c10d_functional.all_reduce]     # 1: torch's keys work too
 
 A listener on `plait.comm`: it sees exactly what passes the door, so whatever issued the
 op — DTensor, a strategy, user code through plait.comm — is counted the same way.
@@ -17,10 +18,28 @@ from typing import Any
 
 from plait.comm import events
 
+# torch's CommDebugMode keys its counts by op packet: the functional collectives
+# (torch.ops.c10d_functional / _c10d_functional / _c10d_functional_autograd) and the c10d
+# ops (torch.ops.c10d). Their names -> the plait.comm op that does the same.
+_TORCH_NAMES = {
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "all_reduce_coalesced": "all_reduce", "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "all_to_all_single": "all_to_all", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
+    "broadcast_": "broadcast", "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
+}
+
 
 def _op_name(key: Any) -> str:
-    """Accept "all_reduce" or the function plait.comm.all_reduce as a key."""
-    return key if isinstance(key, str) else getattr(key, "__name__", str(key))
+    """Accept "all_reduce", the function plait.comm.all_reduce, or torch's op packet
+    (torch.ops.c10d_functional.all_reduce, torch.ops.c10d.allreduce_) as a key."""
+    if not isinstance(key, str):
+        key = getattr(getattr(key, "_overloadpacket", key), "__name__", str(key))
+    return _TORCH_NAMES.get(key, key)
 
 
 class CommCounts(Counter):
@@ -31,6 +50,9 @@ class CommCounts(Counter):
 
     def __contains__(self, key: object) -> bool:
         return super().__contains__(_op_name(key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(_op_name(key), default)
 
 
 class CommDebugMode(events.CommListener):
@@ -64,6 +86,10 @@ class CommDebugMode(events.CommListener):
         return sum(self.comm_bytes.values())
 
     def __enter__(self) -> CommDebugMode:
+        with self._lock:  # as torch's: each block counts afresh
+            self.comm_counts.clear()
+            self.comm_bytes.clear()
+            self.events.clear()
         events.add_listener(self)
         return self
 

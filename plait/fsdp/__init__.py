@@ -32,6 +32,7 @@ from plait.fsdp.fsdp1 import (
     LocalStateDictConfig,
     MixedPrecision,
     OptimStateDictConfig,
+    OptimStateKeyType,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
@@ -44,6 +45,6 @@ from plait.fsdp.module import FSDPModule, UnshardHandle, register_fsdp_forward_m
 
 __all__ = ["BackwardPrefetch", "CPUOffload", "CPUOffloadPolicy", "FSDPModule", "FullOptimStateDictConfig",
            "FullStateDictConfig", "FullyShardedDataParallel", "LocalOptimStateDictConfig", "LocalStateDictConfig",
-           "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig",
+           "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig", "OptimStateKeyType",
            "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig",
            "StateDictSettings", "StateDictType", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]

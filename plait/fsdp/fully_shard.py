@@ -24,6 +24,7 @@ and is refused.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -55,8 +56,10 @@ def fully_shard(
     gather them around its forward and backward; returns `module`, now an FSDPModule.
 
     reshard_after_forward: True frees the unsharded parameters after forward and gathers
-    again in backward; False keeps them; None (torch's default) is True except for the
-    root. An int (torch: reshard to a smaller world) is not supported."""
+    again in backward; False keeps them; an int k (a factor of the shard axis size) keeps them
+    sharded over k ranks after forward, so backward's all-gather runs within k consecutive
+    ranks (torch's meaning: e.g. k = ranks per node); None (torch's default) is True except for the
+    root."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
@@ -84,14 +87,11 @@ def shard_modules(
     for m in modules:
         if getattr(m, "_plait_fsdp_state", None) is not None:
             raise ValueError(f"fully_shard was already applied to {_describe(m)}; apply it once per module")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} (resharding to a smaller "
-            "world after forward) is not supported by plait; pass True, False or None")
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard({name}) got a {mesh.ndim}-D mesh {mesh.shape}; it takes a 1-D mesh "
                          "(FSDP) or a 2-D (replicate, shard) mesh (HSDP); slice yours, e.g. mesh['dp']")
+    reshard_after_forward, post_forward_size = _post_forward(reshard_after_forward, mesh, name)
     device = _device(mesh)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     shard_device = torch.device("cpu") if offload else device
@@ -136,6 +136,7 @@ def shard_modules(
         group = ParamGroup(fsdp_params, mesh, device=device, param_dtype=mp_policy.param_dtype,
                            reduce_dtype=mp_policy.reduce_dtype, name=name)
         group.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        group.set_post_forward_size(post_forward_size)
     state = FSDPState(modules, group, mp_policy=mp_policy, name=name,
                       auto_reshard_after_forward=reshard_after_forward is None)
     for m in modules:
@@ -162,6 +163,27 @@ def _register_state_dict_hooks(modules: list[nn.Module], group: ParamGroup) -> N
         m.register_state_dict_pre_hook(to_sharded)
         m._register_load_state_dict_pre_hook(to_sharded)
         m.register_load_state_dict_post_hook(adopt)
+
+
+def _post_forward(reshard_after_forward: bool | int | None, mesh: DeviceMesh,
+                  name: str) -> tuple[bool | None, int | None]:
+    """(the bool knob, k) for reshard_after_forward, with torch's meaning of an int k: after
+    forward keep the parameters sharded over k ranks, so backward all-gathers within k."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(f"fully_shard({name}): reshard_after_forward must be a bool, an int or None, "
+                        f"got {type(reshard_after_forward).__name__}")
+    world = mesh.size(mesh.ndim - 1)
+    k = reshard_after_forward
+    if not 1 <= k <= world or world % k:
+        raise ValueError(f"fully_shard({name}): reshard_after_forward={k} must be a factor of the shard "
+                         f"axis size {world} (a group size to reshard to after forward)")
+    if k == 1:
+        warnings.warn(f"fully_shard({name}): reshard_after_forward=1 (an int) keeps the parameters "
+                      "unsharded after forward, as reshard_after_forward=False does", stacklevel=3)
+        return False, None
+    return (True, None) if k == world else (True, k)
 
 
 def _describe(m: nn.Module) -> str:

@@ -8,6 +8,11 @@
                param i's block (N*P_i,) whose first numel_i elements are its unsharded view
     reshard:   the sharded DTensors go back on the module; the flat buffer's storage is
                resized to 0 (the views keep their shapes, the memory is freed)
+    reshard_after_forward=k (an int): after forward, each rank keeps N/k rows of the (N, S)
+               gathered shards (rows i with i % k == its place in its block of k consecutive
+               shard ranks): SHARDED_POST_FORWARD. Backward's unshard all-gathers those within
+               the block only (k ranks, (k, N/k, S) -> transpose -> (N, S)), as torch's
+               post-forward mesh `mesh.view(-1, k)` does
     reduce:    unsharded grads -> reduce-scatter input (N, S) rank-major, padding zeroed, in
                reduce_dtype -> one reduce-scatter (sum) on the shard axis -> (S,) -> HSDP:
                all-reduce on the replicate axis -> / data-parallel size -> sharded .grad
@@ -30,6 +35,7 @@ from plait.fsdp.param import FSDPParam
 
 class ShardedState(Enum):
     SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()  # reshard_after_forward=k: N/k rows kept, for a k-rank re-gather
     UNSHARDED = auto()
 
 
@@ -80,6 +86,8 @@ class ParamGroup:
         self._gather: comm.Handle | None = None
         self._flat: torch.Tensor | None = None  # (N*S,) param-major; storage freed when sharded
         self._partial: torch.Tensor | None = None  # HSDP: reduced on the shard axis only (no all-reduce)
+        self._post: torch.Tensor | None = None  # (N/k, S) rows kept after forward (SHARDED_POST_FORWARD)
+        self._post_gather = False  # the all-gather in flight is the k-rank one
         self.queue = ReduceQueue()  # replaced by the root's at lazy init
         # knobs (FSDPModule.set_*)
         self.reshard_after_forward = True
@@ -88,6 +96,24 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.grad_dtype: torch.dtype | None = None  # the sharded .grad's; None: each parameter's own
         self.unshard_count = 0  # all-gathers issued (tests count them)
+        self.post_forward_size: int | None = None  # k of reshard_after_forward=k; None: reshard fully
+        self.post_forward_group = None
+        self._post_index = 0
+
+    def set_post_forward_size(self, k: int | None) -> None:
+        """reshard_after_forward=k: after forward keep what a k-rank all-gather rebuilds the
+        parameters from; its group is this rank's block of k consecutive shard ranks."""
+        assert self.state is ShardedState.SHARDED, f"{self.name}: {self.state}"
+        self.post_forward_size, self.post_forward_group = k, None
+        if k is None:
+            return
+        assert 1 < k < self.world and self.world % k == 0, (k, self.world)
+        axis = self.mesh.ndim - 1
+        ranks = self.mesh._slice_ranks(axis)  # the shard axis through this rank, in rank order
+        me = self.mesh.get_local_rank(axis)
+        block = me // k
+        self._post_index = me % k
+        self.post_forward_group = comm.new_group(ranks[block * k:(block + 1) * k])
 
     # -- parameters --------------------------------------------------------------------------
 
@@ -106,7 +132,11 @@ class ParamGroup:
 
     def unshard(self, *, async_op: bool = False) -> None:
         """Issue the all-gather (unless unsharded or in flight); wait for it unless async_op."""
-        if self.state is ShardedState.SHARDED and self._gather is None:
+        if self.state is ShardedState.SHARDED_POST_FORWARD and self._gather is None:
+            self._gather = comm.all_gather(self._post.view(1, -1), group=self.post_forward_group, async_op=True)
+            self._post_gather = True
+            self.unshard_count += 1
+        elif self.state is ShardedState.SHARDED and self._gather is None:
             inp = self._packed_shards()
             self._gather = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True)
             self.unshard_count += 1
@@ -139,8 +169,13 @@ class ParamGroup:
             return
         gathered = self._gather.wait()  # (N, S), rank r's shards in row r
         self._gather = None
-        assert self.state is ShardedState.SHARDED, f"{self.name}: gather finished in state {self.state}"
         n, nbytes = self.world, self.unsharded_bytes
+        if self._post_gather:  # (k, N/k * S): member j's rows are j, j + k, j + 2k, ...
+            k = self.post_forward_size
+            gathered = gathered.view(k, n // k, self.total).transpose(0, 1).reshape(n, self.total)
+            self._post_gather, self._post = False, None
+            self.state = ShardedState.SHARDED
+        assert self.state is ShardedState.SHARDED, f"{self.name}: gather finished in state {self.state}"
         fresh = self._flat is None
         if fresh:
             self._flat = torch.empty(n * self.total, dtype=self.param_dtype, device=self.device)
@@ -156,12 +191,32 @@ class ParamGroup:
             p.register(p.unsharded)
         self.state = ShardedState.UNSHARDED
 
+    def reshard_after_forward_pass(self) -> None:
+        """After forward: reshard fully, or to the post-forward rows (reshard_after_forward=k)."""
+        k = self.post_forward_size
+        if k is None or self.state is not ShardedState.UNSHARDED:
+            self.reshard()
+            return
+        n = self.world
+        post = torch.empty(n // k, self.total, dtype=self.param_dtype, device=self.device)  # (N/k, S)
+        with torch.no_grad():
+            for off, size in zip(self.offsets, self.sizes):
+                rows = self._flat[n * off: n * (off + size)].view(n // k, k, size)  # (N/k, k, P_i)
+                post[:, off:off + size].copy_(rows[:, self._post_index])
+        self.reshard()
+        self._post = post
+        self.state = ShardedState.SHARDED_POST_FORWARD
+
     def reshard(self) -> None:
         """Back to the sharded parameters; free the unsharded memory (a gather in flight is
-        waited for and dropped)."""
+        waited for and dropped, and so are rows kept after forward)."""
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
+            self._post_gather = False
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            self._post = None
+            self.state = ShardedState.SHARDED
         if self.state is ShardedState.SHARDED:
             return
         for p in self.params:

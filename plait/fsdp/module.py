@@ -92,6 +92,10 @@ class FSDPModule:
             s.auto_reshard_after_forward = False
             if s.group is not None:
                 s.group.reshard_after_forward = reshard_after_forward
+                if s.group.post_forward_size is not None:  # a bool means: reshard fully, or not at all
+                    if s.group.state.name == "SHARDED_POST_FORWARD":
+                        s.group.reshard()
+                    s.group.post_forward_size = s.group.post_forward_group = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for g in self._groups(recurse):

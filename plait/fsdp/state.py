@@ -171,7 +171,7 @@ class FSDPState:
             if self._to_run:
                 return self._cast_output(output)
             if self.group is not None and self.group.reshard_after_forward:
-                self.group.reshard()
+                self.group.reshard_after_forward_pass()
             self.ctx.post_forward_order.append(self)
             self.training_state = TrainingState.IDLE
             output = self._register_pre_backward(output)

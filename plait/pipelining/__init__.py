@@ -4,7 +4,8 @@ A schedule is data (`schedules`): per rank, a list of actions `(stage, F|B|I|W, 
 that pure functions generate, a lowering pass completes with SEND/RECV, and a checker and
 simulator vet before anything runs. One runtime executes them:
 
-    model --pipeline() / split_model()--> stage modules --PipelineStage--> stages
+    model --pipeline() / split_model()--> stage modules --PipelineStage / build_stage--> stages
+          (pipeline() cuts at split_spec and at pipe_split() calls in forward)
     ScheduleX(stages, n_microbatches, loss_fn) --build_schedule, lower, check--> runtime
     schedule.step(x, target=y, losses=l): microbatches through F/B/I/W with plait.comm p2p
 """
@@ -35,7 +36,10 @@ from .schedules import (
 # `plait plan pipeline` (which imports this package) still starts without torch.
 _RUNTIME = {
     "PipelineStage": "stage",
+    "build_stage": "stage",
     "Pipe": "split",
+    "PipeInfo": "split",
+    "pipe_split": "trace",
     "SplitPoint": "split",
     "TraceError": "trace",
     "StageModule": "split",
@@ -56,6 +60,7 @@ _RUNTIME = {
             "ScheduleGPipe",
             "ScheduleInterleaved1F1B",
             "ScheduleInterleavedZeroBubble",
+            "ScheduleLooped1F1B",
             "ScheduleLoopedBFS",
             "ScheduleZBVZeroBubble",
             "_PipelineScheduleRuntime",
@@ -78,6 +83,7 @@ __all__ = [
     "CheckReport",
     "Costs",
     "Pipe",
+    "PipeInfo",
     "PipelineScheduleMulti",
     "PipelineScheduleRuntime",
     "PipelineScheduleSingle",
@@ -88,6 +94,7 @@ __all__ = [
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
+    "ScheduleLooped1F1B",
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
     "ScheduleError",
@@ -98,10 +105,12 @@ __all__ = [
     "TraceError",
     "_PipelineScheduleRuntime",
     "build_schedule",
+    "build_stage",
     "check",
     "load_csv",
     "lower",
     "merge_chunks",
+    "pipe_split",
     "pipeline",
     "render_ascii",
     "render_svg",

@@ -20,7 +20,7 @@ import torch
 
 from .microbatch import merge_chunks, split_args_kwargs_into_chunks, split_tensor
 from .runtime import PipelineRuntime
-from .schedules import Action, Schedule, build_schedule, load_csv
+from .schedules import Action, Schedule, build_schedule, load_csv, looped_1f1b
 from .stage import PipelineStage
 
 
@@ -240,7 +240,13 @@ class PipelineScheduleMulti(_PipelineSchedule):
                     f"{type(self).__name__}: num_stages({n}) is not a multiple of "
                     f"the group size({p})"
                 )
-            self._use(build_schedule(self._name, p, n_microbatches, stages_per_rank=n // p))
+            self._use(self._build(p, n_microbatches, n // p))
+
+    def _build(self, num_ranks: int, n_microbatches: int, stages_per_rank: int) -> Schedule:
+        """The schedule as data for the whole group (a subclass with options overrides it)."""
+        return build_schedule(
+            self._name, num_ranks, n_microbatches, stages_per_rank=stages_per_rank
+        )
 
 
 class ScheduleGPipe(PipelineScheduleSingle):
@@ -283,6 +289,55 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """1F1B interleaved over v stages per rank (stage s on rank s % p)."""
 
     _name = "Interleaved1F1B"
+
+
+class ScheduleLooped1F1B(PipelineScheduleMulti):
+    """Looped 1F1B (plait's; torch has no such class): looped placement, 1F1B steady state,
+    microbatches through each local stage in rounds of `microbatches_per_round` (default p).
+
+    With the default it is Lamy-Poirier's looped depth-first schedule, i.e. Megatron's
+    interleaved 1F1B: the same action lists as ScheduleInterleaved1F1B whenever
+    n_microbatches is a multiple of the group size p (which it requires; Interleaved1F1B
+    also takes torch's flexible rounds). `microbatches_per_round=n_microbatches` takes every
+    microbatch through a local stage before the next (breadth-first, like
+    ScheduleLoopedBFS) but keeps the 1F1B steady state, where LoopedBFS runs all forwards
+    then all backwards. See `schedules.generators.looped_1f1b` for the bubble and memory.
+    """
+
+    _name = "Looped1F1B"
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable | None = None,
+        args_chunk_spec: tuple | None = None,
+        kwargs_chunk_spec: dict | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        *,
+        microbatches_per_round: int | None = None,
+    ) -> None:
+        self.microbatches_per_round = microbatches_per_round
+        super().__init__(
+            stages,
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            backward_requires_autograd,
+        )
+
+    def _build(self, num_ranks: int, n_microbatches: int, stages_per_rank: int) -> Schedule:
+        return looped_1f1b(
+            num_ranks,
+            n_microbatches,
+            stages_per_rank=stages_per_rank,
+            microbatches_per_round=self.microbatches_per_round,
+        )
 
 
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
@@ -428,3 +483,33 @@ def _as_format(schedule: Schedule, format: str) -> Schedule:
 
 
 _PipelineScheduleRuntime = PipelineScheduleRuntime
+
+
+_BY_NAME: dict[str, type] = {  # torch's keys (and order), then plait's own schedule
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "GPipe": ScheduleGPipe,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "PipelineScheduleSingle": PipelineScheduleSingle,
+    "PipelineScheduleMulti": PipelineScheduleMulti,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+    "Looped1F1B": ScheduleLooped1F1B,
+}
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """The schedule class named `schedule_name`, case-insensitively (torch's function):
+    "1F1B", "GPipe", "Interleaved1F1B", ..., or a class name such as "ScheduleGPipe"."""
+    if not isinstance(schedule_name, str):
+        raise TypeError(f"schedule_name must be a str, got {type(schedule_name).__name__}")
+    lookup = {k.lower(): cls for k, cls in _BY_NAME.items()}
+    lookup.update({cls.__name__.lower(): cls for cls in _BY_NAME.values()})
+    cls = lookup.get(schedule_name.lower())
+    if cls is None:
+        raise ValueError(
+            f"Unknown schedule name '{schedule_name}'. The valid options are {list(_BY_NAME)} "
+            "(any case; the class names, e.g. 'ScheduleGPipe', work too)"
+        )
+    return cls

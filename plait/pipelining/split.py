@@ -18,17 +18,19 @@ so the memory of the other stages' parameters goes once the caller drops the mod
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten
 
-from .stage import PipelineStage
+from .stage import PipelineStage, build_stage
 from .trace import TraceError, build_stages, cut, example_values, trace_model
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -147,17 +149,57 @@ def split_model(
     return stages
 
 
+@dataclass(frozen=True)
+class PipeInfo:
+    """What a stage needs to know of its pipe (torch's dataclass; `Pipe.info()`).
+
+    `graph`: the pipe's top-level graph, one `call_module` per stage (`submod_0`, ...) in
+    order. `has_loss_and_backward`: always False, as `pipeline()` takes no loss function.
+    It holds no reference to the stage modules, so dropping the pipe frees the others'."""
+
+    graph: fx.Graph
+    num_stages: int
+    has_loss_and_backward: bool = False
+
+
+def _chain_graph(stage_modules: Sequence[nn.Module]) -> fx.Graph:
+    """inputs -> submod_0 -> submod_1 -> ... -> output; a tuple output is unpacked into the
+    next stage's inputs (what `_verify` runs, and the runtime sends)."""
+
+    def inputs(m: nn.Module) -> list[str]:
+        if not hasattr(m, "graph"):  # a hand-built stage (StageModule): one input assumed
+            return ["x"]
+        return [n.target for n in m.graph.nodes if n.op == "placeholder" and "**" not in n.target]
+
+    graph = fx.Graph()
+    out: Any = tuple(graph.placeholder(name) for name in inputs(stage_modules[0]))
+    for s, m in enumerate(stage_modules):
+        if s:
+            k = len(inputs(m))
+            out = (
+                (out,)
+                if k == 1
+                else tuple(graph.call_function(operator.getitem, (out, i)) for i in range(k))
+            )
+        out = graph.call_module(f"submod_{s}", out)
+    graph.output(out)
+    return graph
+
+
 class Pipe:
-    """What `pipeline()` returns: the stage modules, and `build_stage` for this rank's.
+    """What `pipeline()` returns: the stage modules, `info()`, and `build_stage` for this rank's.
 
     Like torch's Pipe it holds every stage (sharing the model's modules, not copies): keep
     the stages this rank builds and drop the pipe and the model to free the others.
-    `module_names_per_stage[s]`: the fqns of the modules stage s calls, in call order."""
+    `split_gm`: a GraphModule whose children are the stages (`submod_0`, ...) and whose
+    graph calls them in order. `module_names_per_stage[s]`: the fqns of the modules stage s
+    calls, in call order."""
 
     def __init__(self, stage_modules: Sequence[nn.Module]) -> None:
-        self.split_gm = nn.Module()  # torch's attribute: children submod_0, submod_1, ...
+        root = nn.Module()  # torch's attribute: children submod_0, submod_1, ...
         for s, module in enumerate(stage_modules):
-            self.split_gm.add_module(f"submod_{s}", module)
+            root.add_module(f"submod_{s}", module)
+        self.split_gm = fx.GraphModule(root, _chain_graph(stage_modules), class_name="PipeSplit")
         self.module_names_per_stage = [
             list(dict.fromkeys(n.target for n in m.graph.nodes if n.op == "call_module"))
             if hasattr(m, "graph")
@@ -174,12 +216,17 @@ class Pipe:
             raise ValueError(f"stage_idx {stage_idx} is not in [0, {self.num_stages})")
         return self.split_gm.get_submodule(f"submod_{stage_idx}")
 
+    def info(self) -> PipeInfo:
+        """The pipe's graph and stage count, for the module-level `build_stage` (torch's)."""
+        return PipeInfo(graph=self.split_gm.graph, num_stages=self.num_stages)
+
     def build_stage(
         self, stage_index: int, device: torch.device | str, group: ProcessGroup | None = None
     ) -> PipelineStage:
         """A PipelineStage running stage `stage_index`'s module, moved to `device`."""
-        module = self.get_stage_module(stage_index).to(device)
-        return PipelineStage(module, stage_index, self.num_stages, device, group=group)
+        return build_stage(
+            self.get_stage_module(stage_index), stage_index, self.info(), device, group
+        )
 
 
 def pipeline(

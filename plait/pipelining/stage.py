@@ -323,3 +323,34 @@ def _tensors(values: Any) -> list[torch.Tensor]:
 def _last_tensors(output: Any) -> tuple[torch.Tensor, ...]:
     """The last stage's tensors, only to record `outputs_meta` (they are never sent)."""
     return tuple(t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
+
+
+def build_stage(
+    stage_module: nn.Module,
+    stage_index: int,
+    pipe_info: Any,
+    device: torch.device | str,
+    group: ProcessGroup | None = None,
+) -> PipelineStage:
+    """A PipelineStage for a `pipeline()`-traced stage module (torch's function).
+
+        pipe = pipeline(model, mb_args=(x,), split_spec=spec)
+        stage = build_stage(pipe.get_stage_module(i), i, pipe.info(), device, group)
+
+    `pipe_info` is `Pipe.info()` (a `PipeInfo`): the stage count comes from it. As torch's
+    does, the module is moved to `device` (a meta module is left where it is), so it may be
+    wrapped (DDP, fully_shard) between `get_stage_module` and here.
+    """
+    num_stages = getattr(pipe_info, "num_stages", None)
+    if not isinstance(num_stages, int):
+        raise TypeError(
+            f"build_stage(): pipe_info must be a PipeInfo (pipe.info()), got "
+            f"{type(pipe_info).__name__}"
+        )
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(
+            f"build_stage(): stage_index {stage_index} is not in [0, num_stages {num_stages})"
+        )
+    if not any(t.is_meta for t in stage_module.parameters()):
+        stage_module.to(device)
+    return PipelineStage(stage_module, stage_index, num_stages, device, group=group)

@@ -18,14 +18,16 @@ entry, so `a, b = self.fork(x)` and `self.join(*self.fork(x))` trace.
 
 Cut and live values. Nodes are in execution order; a `SplitPoint.BEGINNING` at fqn F cuts
 before the first node that uses F (calls it, a submodule of it, or reads one of its
-parameters), `END` after the last one. Stage s takes, as positional inputs, every value made
-before it that stage s or a later one reads (a skip connection passes through the stages in
-between), and returns what the next stage takes; stage 0 takes the model's own tensor
-arguments, by name. Non-tensor arguments (and those left at their defaults) are fixed at
-trace time, as torch.export specialises them. Parameters are read where they are used; a
-trained one used by two stages (tied weights, a module called on both sides of a cut) is
-refused: it would need its two stages' grads summed, which this split does not do. Buffers
-and frozen parameters read by several stages (a RoPE table) are simply shared.
+parameters), `END` after the last one; a `pipe_split()` call in a forward cuts where it is
+(the spine then includes every forward that calls it: the example run notes its callers).
+Stage s takes, as positional inputs, every value made before it that stage s or a later
+one reads (a skip connection passes through the stages in between), and returns what the
+next stage takes; stage 0 takes the model's own tensor arguments, by name. Non-tensor
+arguments (and those left at their defaults) are fixed at trace time, as torch.export
+specialises them. Parameters are read where they are used; a trained one used by two
+stages (tied weights, a module called on both sides of a cut) is refused: it would need its
+two stages' grads summed, which this split does not do. Buffers and frozen parameters read
+by several stages (a RoPE table) are simply shared.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import inspect
 import operator
 import traceback
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -83,24 +86,55 @@ def _shape_of(out: Any) -> Any:
     return None
 
 
+# What pipe_split() does when called: nothing (eager), note the caller (the example run),
+# or put a marker node in the graph (tracing). Set only inside trace_model.
+_ON_PIPE_SPLIT: ContextVar[Callable[[], Any] | None] = ContextVar("pipe_split", default=None)
+
+
+def pipe_split() -> None:
+    """Mark a stage boundary inside a forward (torch's marker): `pipeline()` starts a new
+    stage at this point, as a `SplitPoint.BEGINNING` on whatever comes next. Run eagerly
+    (outside `pipeline()`'s trace) it does nothing.
+
+        def forward(self, x):
+            x = self.layers[0](x)
+            pipe_split()
+            return self.layers[1](x)
+    """
+    handler = _ON_PIPE_SPLIT.get()
+    if handler is not None:
+        handler()
+
+
+def _is_marker(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is pipe_split
+
+
 def _record_structures(model: nn.Module, spine: set[str], args: tuple, kwargs: dict):
-    """Per module fqn off the spine, the shape of each call's output, in call order."""
+    """Per module fqn off the spine, the shape of each call's output, in call order; and
+    the fqns of the modules whose own forward calls pipe_split() (innermost one)."""
     found: dict[str, list[Any]] = defaultdict(list)
+    stack: list[str] = []
+    callers: set[str] = set()
     handles = []
     for fqn, module in model.named_modules():
-        if fqn not in spine:
+        handles.append(module.register_forward_pre_hook(lambda _m, _i, fqn=fqn: stack.append(fqn)))
 
-            def hook(_m, _i, out, fqn=fqn):
+        def hook(_m, _i, out, fqn=fqn):
+            stack.pop()
+            if fqn not in spine:
                 found[fqn].append(_shape_of(out))
 
-            handles.append(module.register_forward_hook(hook))
+        handles.append(module.register_forward_hook(hook))
+    token = _ON_PIPE_SPLIT.set(lambda: callers.add(stack[-1]))
     try:
         with torch.no_grad():
             model(*args, **kwargs)
     finally:
+        _ON_PIPE_SPLIT.reset(token)
         for h in handles:
             h.remove()
-    return found
+    return found, callers
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -139,8 +173,12 @@ def trace_model(
     bound.apply_defaults()
     tensors = {n: v for n, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
     concrete = {n: v for n, v in bound.arguments.items() if n not in tensors}
-    structures = _record_structures(model, spine, args, kwargs)
+    structures, callers = _record_structures(model, spine, args, kwargs)
+    for fqn in callers:  # trace into every forward that calls pipe_split(), and its parents
+        parts = fqn.split(".") if fqn else []
+        spine.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     tracer = _SpineTracer(spine, structures)
+    token = _ON_PIPE_SPLIT.set(lambda: tracer.create_proxy("call_function", pipe_split, (), {}))
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as e:  # noqa: BLE001  (fx raises many kinds; every one means "cannot trace")
@@ -149,6 +187,8 @@ def trace_model(
             f"{type(e).__name__}: {e}. Only the forwards on the path to a split point are "
             f"traced; move that code into a submodule, or {_MANUAL}"
         ) from e
+    finally:
+        _ON_PIPE_SPLIT.reset(token)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     values = []
     for node, name in zip(placeholders, sig.parameters):
@@ -193,8 +233,10 @@ def cut(gm: fx.GraphModule, split_spec: dict[str, Any], values: dict[fx.Node, An
     from .split import SplitPoint  # the enum lives with pipeline(); import here avoids a cycle
 
     nodes = list(gm.graph.nodes)
-    work = [i for i, n in enumerate(nodes) if n.op not in ("placeholder", "get_attr", "output")]
-    cuts = set()
+    skip = ("placeholder", "get_attr", "output")
+    work = [i for i, n in enumerate(nodes) if n.op not in skip and not _is_marker(n)]
+    markers = [i for i, n in enumerate(nodes) if _is_marker(n)]
+    cuts = {k for k in markers if work and work[0] < k <= work[-1]}  # BEGINNING of what follows
     for fqn, point in split_spec.items():
         hits = [i for i, n in enumerate(nodes) if _uses(n, fqn)]
         if not hits:
@@ -214,7 +256,7 @@ def cut(gm: fx.GraphModule, split_spec: dict[str, Any], values: dict[fx.Node, An
             s += 1
         if n.op in ("placeholder", "output"):
             stage_of[n] = 0
-        elif n.op != "get_attr":
+        elif n.op != "get_attr" and not _is_marker(n):
             stage_of[n] = s
             # a container output is unpacked where it is made: only tensors cross a cut
             src = n.args[0] if n.args else None
@@ -226,6 +268,8 @@ def cut(gm: fx.GraphModule, split_spec: dict[str, Any], values: dict[fx.Node, An
     renum = {old: new for new, old in enumerate(kept)}
     out = {n: renum.get(k, 0) for n, k in stage_of.items()}
     out[nodes[-1]] = max(len(kept) - 1, 0)
+    for i in markers:  # a marker's work is done: the stages do not call it
+        gm.graph.erase_node(nodes[i])
     return out
 
 

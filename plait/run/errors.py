@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from plait.run.bootstrap import write_error_file
 
@@ -29,22 +29,43 @@ _R = TypeVar("_R")
 _MAX_TRACEBACK_CHARS = 16_000
 
 
-def record(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+def record(fn: Callable[_P, _R], error_handler: Any = None) -> Callable[_P, _R | None]:
     """Write an exception escaping `fn` to the worker's error file, then re-raise it (torch's `@record`).
 
     Under `plait run` the bootstrap's excepthook already does this for uncaught exceptions; the
     decorator keeps scripts written for torchrun working unchanged and also covers workers
-    started with `--no-python`.
+    started with `--no-python`. As in torch: `SystemExit(0)` returns None, another exit code is
+    re-raised untouched (the script's own report); a `ChildFailedError` (a parent whose children
+    failed) copies the first child's error file into this process's, so the launcher names the
+    child's traceback, not the parent's. `error_handler` is torch's hook object
+    (`initialize()`, `record_exception(e)`, `dump_error_file(path, exitcode)`); None writes the
+    file plait's launcher named.
     """
+    from plait.run.child_failure import ChildFailedError, dump_child_error_file
 
     @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
+        if error_handler is not None:
+            error_handler.initialize()
         try:
             return fn(*args, **kwargs)
-        except SystemExit:
-            raise  # an explicit exit code is the script's own report, as in torch
+        except SystemExit as e:
+            if e.code == 0:
+                return None
+            raise
+        except ChildFailedError as e:
+            _, failure = e.get_first_failure()
+            if error_handler is not None:
+                if failure.error_file != "<N/A>":
+                    error_handler.dump_error_file(failure.error_file, failure.exitcode)
+            else:
+                dump_child_error_file(failure)
+            raise
         except Exception as e:
-            write_error_file(e)
+            if error_handler is not None:
+                error_handler.record_exception(e)
+            else:
+                write_error_file(e)
             raise
 
     return wrapper

@@ -20,11 +20,15 @@ import torch
 from plait.tensor import redistribute as redist
 from plait.tensor.dtensor import DTensor, wrap
 from plait.tensor.ops.registry import FLOAT_VALUE_FREE
+from plait.tensor.placement import Replicate
 from plait.tensor.spec import DTensorSpec
 
 MAX_CACHED = 16384
 _plans: dict[tuple, Plan] = {}
 _Tensor = torch.Tensor
+# set by plait.tensor.experimental.implicit_replication(): plain tensors mixed with DTensors
+# in one op are taken as replicated (torch's DTensor._op_dispatcher._allow_implicit_replication)
+_allow_implicit_replication = False
 
 
 def dispatch(op, args: tuple, kwargs: dict):
@@ -32,20 +36,23 @@ def dispatch(op, args: tuple, kwargs: dict):
     key: list = [id(op)]  # an OpOverload hashes in Python; its id in C
     append = key.append
     free = id(op) in FLOAT_VALUE_FREE  # a float argument is keyed by its type, not its value
-    for a in args:
-        t = type(a)
-        if t is DTensor:
-            dts.append(a)
-            append(a._spec)
-            append(id(a._spec.mesh))  # see _key
-        elif t is list or t is tuple or isinstance(a, _Tensor):
-            append(_key(op, a, dts))
-        else:
-            append(float if free and t is float else a)
-    if kwargs:
-        for k, v in kwargs.items():
-            append(k)
-            append(float if free and type(v) is float else _key(op, v, dts))
+    try:
+        for a in args:
+            t = type(a)
+            if t is DTensor:
+                dts.append(a)
+                append(a._spec)
+                append(id(a._spec.mesh))  # see _key
+            elif t is list or t is tuple or isinstance(a, _Tensor):
+                append(_key(op, a, dts))
+            else:
+                append(float if free and t is float else a)
+        if kwargs:
+            for k, v in kwargs.items():
+                append(k)
+                append(float if free and type(v) is float else _key(op, v, dts))
+    except _PlainTensor:  # under implicit_replication(): plain tensors become Replicate DTensors
+        return dispatch(op, *_replicate_plain(args, kwargs))
     key_t = tuple(key)
     try:
         plan = _plans.get(key_t)
@@ -82,11 +89,40 @@ def _key(op, a, dts: list):
         return tuple(_key(op, e, dts) for e in a)
     if isinstance(a, _Tensor):
         if a.dim() != 0:  # ValueError: a TypeError would turn into NotImplemented for x + t
+            if _allow_implicit_replication:
+                raise _PlainTensor
             raise ValueError(
                 f"{op}: got a torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; convert it "
-                "with DTensor.from_local or distribute_tensor first (only 0-dim tensors mix)")
+                "with DTensor.from_local or distribute_tensor first (only 0-dim tensors mix), or "
+                "run the op under plait.tensor.experimental.implicit_replication()")
         return (_Tensor, a.dtype, a.device)
     return a
+
+
+class _PlainTensor(Exception):
+    """A plain tensor of dim > 0 met while keying a call under implicit replication."""
+
+
+def _replicate_plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """args and kwargs with every plain tensor of dim > 0 wrapped as a Replicate DTensor on
+    the call's mesh (torch's `_allow_implicit_replication`). The wrapper shares the tensor's
+    storage, so an op that writes it in place writes the plain tensor."""
+    found = [e for a in (*args, *kwargs.values()) for e in (a if type(a) in (list, tuple) else (a,))
+             if type(e) is DTensor]
+    assert found, "dispatch reached without a DTensor argument"
+    mesh = found[0]._spec.mesh
+    replicate = (Replicate(),) * mesh.ndim
+
+    def convert(a):
+        t = type(a)
+        if t is list or t is tuple:
+            return t(convert(e) for e in a)
+        if t is not DTensor and isinstance(a, _Tensor) and a.dim() != 0:
+            local = a.detach()
+            return wrap(local, DTensorSpec(mesh, replicate, tuple(local.shape), tuple(local.stride()), local.dtype))
+        return a
+
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
 
 
 class Plan:

@@ -28,7 +28,7 @@ from plait.train.config import Parallel, Training
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", *V_SCHEDULES)
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "Looped1F1B", "InterleavedZeroBubble", *V_SCHEDULES)
 
 
 @dataclass(frozen=True)

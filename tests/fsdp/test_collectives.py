@@ -67,3 +67,43 @@ def test_bytes_per_step_match_the_zero3_formula():
 
 def _states(model):
     return [m._plait_fsdp_state for m in [*model.blocks, model]]
+
+
+@distributed([4])
+def test_reshard_after_forward_to_a_smaller_world():
+    """reshard_after_forward=2 on 4 ranks (torch's meaning): after forward each rank keeps the
+    rows a 2-rank all-gather rebuilds the parameters from, so backward all-gathers within
+    consecutive pairs {0, 1}, {2, 3}: bytes (k-1) * (N/k) * S against (N-1) * S for a full
+    re-gather; the losses, gradients and parameters are those of reshard_after_forward=True
+    (and of one process), bitwise against True, as the values gathered are the same."""
+    g, rank, n = world()
+    k = 2
+    model, full = shard(build("mlp"), reshard_after_forward=k), shard(build("mlp"), reshard_after_forward=True)
+    states = _states(model)
+    opt, full_opt = make_opt(model.parameters()), make_opt(full.parameters())
+    for step in range(3):
+        x, y = batch("mlp", step, n * PER_RANK)
+        with CommDebugMode() as mode:
+            out = model(mine(x, rank))
+            kept = [s.group._post for s in states]
+            loss = F.cross_entropy(out, mine(y, rank))
+            loss.backward()
+        full_loss = F.cross_entropy(full(mine(x, rank)), mine(y, rank))
+        full_loss.backward()
+        assert torch.equal(loss, full_loss), step
+        for s, rows in zip(states, kept):
+            assert rows is not None and tuple(rows.shape) == (n // k, s.group.total), s.group.name
+            assert s.group._post is None  # freed by backward's gather
+        gathers = [e for e in mode.events if e.op == "all_gather"]
+        post = [e for e in gathers if len(e.group_ranks) == k]
+        assert len(post) == len(states), [e.group_ranks for e in gathers]  # one pair-gather per group
+        assert all(e.group_ranks == tuple(range(rank // k * k, rank // k * k + k)) for e in post)
+        assert sorted(e.bytes_sent for e in post) == sorted(
+            (k - 1) * (n // k) * s.group.total * 4 for s in states)
+        for p, q in zip(model.parameters(), full.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local())
+        for o in (opt, full_opt):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), full.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())

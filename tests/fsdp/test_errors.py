@@ -34,8 +34,11 @@ def test_errors_name_the_module():
         with pytest.raises(ValueError, match=r"fully_shard\(MLP\): the mesh is on cuda, which this process cannot use, and buffer .scale. of MLP"):
             fully_shard(build("mlp"), mesh=DeviceMesh("cuda", list(range(n))))
 
-        with pytest.raises(NotImplementedError, match=r"fully_shard\(MLP\): reshard_after_forward=2"):
-            fully_shard(build("mlp"), mesh=mesh, reshard_after_forward=2)
+        with pytest.raises(ValueError, match=r"fully_shard\(MLP\): reshard_after_forward=3 must be a factor "
+                                             r"of the shard axis size 2"):
+            fully_shard(build("mlp"), mesh=mesh, reshard_after_forward=3)
+        with pytest.raises(TypeError, match=r"fully_shard\(MLP\): reshard_after_forward must be a bool, an int"):
+            fully_shard(build("mlp"), mesh=mesh, reshard_after_forward=2.0)
 
         mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).to(torch.float64))
         with pytest.raises(ValueError, match=r"fully_shard\(Sequential\) groups parameters of dtypes"):

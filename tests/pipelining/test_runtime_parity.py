@@ -33,6 +33,7 @@ from plait.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLooped1F1B,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
     SplitPoint,
@@ -52,6 +53,7 @@ SCHEDULES = {
     "1F1B": (Schedule1F1B, 1),
     "Interleaved1F1B": (ScheduleInterleaved1F1B, 2),
     "LoopedBFS": (ScheduleLoopedBFS, 2),
+    "Looped1F1B": (ScheduleLooped1F1B, 2),  # plait's; 8 microbatches: a multiple of p
     "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, 2),
     "ZBVZeroBubble": (ScheduleZBVZeroBubble, 2),
     "DualPipeV": (ScheduleDualPipeV, 2),  # needs m >= 2p: 8 microbatches on up to 4 ranks
@@ -237,7 +239,7 @@ def _close(got, want, tol, what):
     )
 
 
-def check_parity(schedule_name: str, model_name: str, group=None) -> None:
+def check_parity(schedule_name: str, model_name: str, group=None, **schedule_options) -> None:
     group = group if group is not None else comm.world_group()
     rank, p = comm.get_rank(group), comm.get_world_size(group)
     cls, v = SCHEDULES[schedule_name]
@@ -248,7 +250,9 @@ def check_parity(schedule_name: str, model_name: str, group=None) -> None:
     owned = list(per_rank.stages_of(rank))
     modules = _stage_modules(model, model_name, num_stages, owned)
     stages = [PipelineStage(m, s, num_stages, "cpu", group=group) for m, s in zip(modules, owned)]
-    schedule = cls(stages[0] if v == 1 else stages, MICROBATCHES, loss_fn=loss_fn)
+    schedule = cls(
+        stages[0] if v == 1 else stages, MICROBATCHES, loss_fn=loss_fn, **schedule_options
+    )
     train_and_compare(schedule, modules, owned, num_stages, model_name, tol, reference)
 
 
@@ -293,6 +297,13 @@ def test_transformer_parity(schedule_name):
 @pytest.mark.parametrize("schedule_name", list(SCHEDULES))
 def test_uneven_stages_parity(schedule_name):
     check_parity(schedule_name, "uneven")
+
+
+@distributed([2])
+@pytest.mark.parametrize("rounds", [4, MICROBATCHES])
+def test_looped_1f1b_with_larger_rounds_parity(rounds):
+    """Rounds of 4 and of all 8 microbatches (breadth first, 1F1B steady state) on 2 ranks."""
+    check_parity("Looped1F1B", "uneven", microbatches_per_round=rounds)
 
 
 @distributed([4])

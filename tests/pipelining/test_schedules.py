@@ -14,6 +14,7 @@ from plait.pipelining.schedules import (
     Schedule,
     build_schedule,
     check,
+    looped_1f1b,
     lower,
 )
 
@@ -48,7 +49,9 @@ def test_builtin_schedule_passes_checker_before_and_after_lowering(name, p, m):
     assert report.num_messages == 2 * m * _cross_rank_pairs(schedule)
 
 
-@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"])
+@pytest.mark.parametrize(
+    "name", ["Interleaved1F1B", "LoopedBFS", "Looped1F1B", "InterleavedZeroBubble"]
+)
 @pytest.mark.parametrize("v", [1, 3])
 def test_other_stage_counts_pass(name, v):
     for p in (2, 3, 4):
@@ -95,11 +98,44 @@ def test_zero_bubble_splits_backward():
         ("GPipe", 0, 4, None, "num_ranks must be >= 1"),
         ("GPipe", 2, 0, None, "num_microbatches must be >= 1"),
         ("Interleaved1F1B", 4, 9, 2, "multiple of its number of rounds"),
+        ("Looped1F1B", 4, 6, 2, "multiple of num_ranks(4) that divides num_microbatches(6)"),
+        ("Looped1F1B", 4, 2, 2, "multiple of num_ranks(4) that divides num_microbatches(2)"),
     ],
 )
 def test_bad_arguments_are_user_errors(name, p, m, v, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         build_schedule(name, p, m, stages_per_rank=v)
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_looped_1f1b_is_interleaved_1f1b_when_m_is_a_multiple_of_p(p, v):
+    """Lamy-Poirier's looped depth-first = Megatron's interleaved 1F1B: rounds of p."""
+    for m in (p, 2 * p, 3 * p, 4 * p):
+        looped = build_schedule("Looped1F1B", p, m, stages_per_rank=v)
+        interleaved = build_schedule("Interleaved1F1B", p, m, stages_per_rank=v)
+        assert looped.actions == interleaved.actions
+        assert looped.stage_to_rank == interleaved.stage_to_rank
+        assert looped.name == "Looped1F1B"
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (3, 6), (3, 12), (4, 8), (4, 16)])
+def test_looped_1f1b_rounds_from_depth_first_to_breadth_first(p, m):
+    """Every round size g (multiple of p dividing m) passes the checker; g = m takes every
+    microbatch through a local stage before the next, in the forward order LoopedBFS uses,
+    but interleaves backwards (1F1B) where LoopedBFS runs them all at the end."""
+    for g in range(p, m + 1, p):
+        if m % g:
+            continue
+        schedule = looped_1f1b(p, m, stages_per_rank=2, microbatches_per_round=g)
+        check(lower(schedule), batch_comms=False)
+    bfs, last = build_schedule("LoopedBFS", p, m), looped_1f1b(p, m, microbatches_per_round=m)
+    for r in range(p):
+        fwd = [a for a in last.actions[r] if a.kind is ActionType.F]
+        assert fwd == [a for a in bfs.actions[r] if a.kind is ActionType.F]
+        first_b = next(i for i, a in enumerate(last.actions[r]) if a.kind is ActionType.B)
+        assert first_b < len(fwd)  # a backward before the last forward: 1F1B, not fill-drain
+        assert first_b == m + 2 * (p - 1 - r) + 1  # warm-up: m*(v-1) + 2*(p-1-r), then 1F1B
 
 
 def test_names_are_case_insensitive():

@@ -11,6 +11,7 @@ from plait.pipelining.schedules import (
     ScheduleError,
     bubble_formula,
     build_schedule,
+    looped_1f1b,
     lower,
     simulate,
 )
@@ -28,12 +29,29 @@ def test_fill_drain_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
     assert sim.makespan == 3 * (m + p - 1)
 
 
-@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS"])
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS", "Looped1F1B"])
 @pytest.mark.parametrize("p, m", SIZES)
 def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1(name, p, m):
     v = 2
     sim = simulate(build_schedule(name, p, m, stages_per_rank=v))
     assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+    assert sim.bubble == pytest.approx(bubble_formula(name, p, m, v))
+
+
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("p, m", [(p, m) for p in (2, 3, 4) for m in (2 * p, 4 * p)])
+def test_looped_1f1b_rounds_keep_the_bubble_and_trade_memory(p, m, v):
+    """Any round size g: bubble (p-1)/(vm+p-1); rank r holds min(g(v-1) + 2(p-1-r) + 1, vm)
+    microbatch-stages at its peak, where LoopedBFS holds all v*m."""
+    bfs = simulate(build_schedule("LoopedBFS", p, m, stages_per_rank=v))
+    assert bfs.peak_in_flight_per_rank == (v * m,) * p
+    for g in (p, 2 * p, m):
+        if m % g:
+            continue
+        sim = simulate(looped_1f1b(p, m, stages_per_rank=v, microbatches_per_round=g))
+        assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+        want = tuple(min(g * (v - 1) + 2 * (p - 1 - r) + 1, v * m) for r in range(p))
+        assert sim.peak_in_flight_per_rank == want
 
 
 @pytest.mark.parametrize("p, m", SIZES)

@@ -30,6 +30,7 @@ from plait.checkpoint.state_dict.full import (
     to_local_layout,
 )
 from plait.checkpoint.state_dict.options import StateDictKeyError, StateDictOptions
+from plait.tensor import DTensor
 
 
 def sharded_fsdp1(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -121,12 +122,29 @@ def set_model_state(model: nn.Module, state_dict: dict[str, Any], options: State
     missing, unexpected = key_problems(expected, set(state_dict), "set_model_state_dict")
     if options.strict:
         raise_key_problems(missing, unexpected, "set_model_state_dict")
+    # a model built on the meta device has no storage to copy into: assign, as torch does (then
+    # each parameter takes the loaded tensor; fully_shard adopts its new sharded DTensors)
+    assign = any(isinstance(v, torch.Tensor) and v.is_meta for _, v in local.values())
     own: dict[str, Any] = {}
     for fqn, value in state_dict.items():
         if fqn not in local:
             continue
         key, current = local[fqn]
-        own[key] = to_local_layout(fqn, value, current)
+        value = to_local_layout(fqn, value, current)
+        own[key] = _own_storage(value) if assign else value
     with sharded_fsdp1(model):
-        model.load_state_dict(own, strict=False)
+        model.load_state_dict(own, strict=False, assign=assign)
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _own_storage(value: Any) -> Any:
+    """A tensor that will be assigned into the model, holding only its own elements: a shard cut
+    from a full tensor is a view that would keep the whole full tensor alive on every rank."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            return DTensor(local.clone(), value._spec, requires_grad=value.requires_grad)
+        return value
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.numel() * value.element_size():
+        return value.clone()
+    return value

@@ -59,6 +59,7 @@ from plait.fsdp.fsdp1.api import (
     ShardingStrategy,
     check_mixed_precision,
 )
+from plait.fsdp.fsdp1.rekey import rekey_optim_state_dict
 from plait.fsdp.fully_shard import _managed_modules, shard_modules
 from plait.fsdp.state import FSDPState
 from plait.fsdp.wrap import apply_wrap, wrap_targets
@@ -278,6 +279,7 @@ class FullyShardedDataParallel(nn.Module):
     get_state_dict_type = staticmethod(sd_hooks.get_state_dict_type)
     optim_state_dict = staticmethod(sd_hooks.optim_state_dict)
     optim_state_dict_to_load = staticmethod(sd_hooks.optim_state_dict_to_load)
+    rekey_optim_state_dict = staticmethod(rekey_optim_state_dict)
 
 
 def _units_states(module: nn.Module) -> list[FSDPState]:

@@ -4,7 +4,15 @@
                                                  \\-> simulate -> render_ascii / write_svg
 
 Everything here is pure Python: no processes, no tensors, no torch.distributed.
+
+It is also torch's `torch.distributed.pipelining.schedules` under plait's porting rule: the
+schedule classes (`ScheduleGPipe`, ..., `PipelineScheduleMulti`) and `get_schedule_class`
+load from `schedule_classes.py` on first use, so importing this package stays torch-free
+(`plait plan pipeline` relies on it; a test imports it in a fresh interpreter).
 """
+
+import importlib
+from typing import Any
 
 from .actions import Action, ActionType
 from .checker import CheckReport, check, matching
@@ -16,6 +24,7 @@ from .generators import (
     gpipe,
     interleaved_1f1b,
     interleaved_zero_bubble,
+    looped_1f1b,
     looped_bfs,
     one_f_one_b,
     zbv_zero_bubble,
@@ -25,7 +34,7 @@ from .schedule import Schedule, ScheduleError, loop_stage_to_rank, v_stage_to_ra
 from .simulator import Costs, Simulation, Slot, bubble_formula, simulate
 from .timeline import render_ascii, render_svg, write_png, write_svg
 
-__all__ = [
+__all__ = [  # plait's data names, then torch's (loaded on first use)
     "SCHEDULES",
     "Action",
     "ActionType",
@@ -44,6 +53,7 @@ __all__ = [
     "interleaved_zero_bubble",
     "load_csv",
     "loop_stage_to_rank",
+    "looped_1f1b",
     "looped_bfs",
     "lower",
     "matching",
@@ -58,4 +68,39 @@ __all__ = [
     "write_png",
     "write_svg",
     "zbv_zero_bubble",
+    "PipelineScheduleMulti",
+    "PipelineScheduleRuntime",
+    "PipelineScheduleSingle",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLooped1F1B",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "get_schedule_class",
 ]
+
+# torch's names: the classes live in ..schedule_classes, which needs torch.
+_CLASSES = (
+    "PipelineScheduleMulti",
+    "PipelineScheduleRuntime",
+    "PipelineScheduleSingle",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLooped1F1B",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "_PipelineScheduleRuntime",
+    "get_schedule_class",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module("plait.pipelining.schedule_classes"), name)

@@ -7,7 +7,8 @@ order lists forwards of microbatches that do not exist; here warm-up stops at th
 
 Stage placement: one stage per rank for GPipe and 1F1B; loop style (stage s on rank
 s % p) for the interleaved and looped schedules; V style for ZBV (rank r owns stages r
-and 2p-1-r). DualPipeV, V style too, lives in `dualpipev.py`.
+and 2p-1-r). DualPipeV, V style too, lives in `dualpipev.py`. Looped1F1B is plait's own
+(torch has none): Interleaved1F1B's order with rounds of a chosen size.
 """
 
 from __future__ import annotations
@@ -82,9 +83,15 @@ def _rounds(num_ranks: int, num_microbatches: int, schedule: str) -> int:
 
 
 def _interleaved_rank(
-    rank: int, num_ranks: int, num_microbatches: int, stages_per_rank: int, *, zero_bubble: bool
+    rank: int,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int,
+    *,
+    zero_bubble: bool,
+    per_round: int,
 ) -> list[Action]:
-    """Depth-first interleaving (Megatron's, with torch's flexible rounds) for one rank.
+    """Depth-first interleaving (Megatron's) for one rank, `per_round` microbatches a round.
 
     Forward k goes to local stage (k // per_round) % v; backward j to the mirror image,
     last local stage first. Warm-up is enough forwards for the first backward to arrive:
@@ -93,7 +100,6 @@ def _interleaved_rank(
     ran `rank` backwards earlier, so W fills exactly the slots where 1F1B would idle.
     """
     p, m, v = num_ranks, num_microbatches, stages_per_rank
-    per_round = _rounds(p, m, "InterleavedZeroBubble" if zero_bubble else "Interleaved1F1B")
     total = m * v
     warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), total)
 
@@ -135,12 +141,58 @@ def interleaved_1f1b(
 ) -> Schedule:
     """Interleaved 1F1B (arXiv 2104.04473): v stages per rank, depth first."""
     _check_sizes(num_ranks, num_microbatches, stages_per_rank)
+    per_round = _rounds(num_ranks, num_microbatches, "Interleaved1F1B")
     actions = [
-        _interleaved_rank(r, num_ranks, num_microbatches, stages_per_rank, zero_bubble=False)
+        _interleaved_rank(
+            r, num_ranks, num_microbatches, stages_per_rank, zero_bubble=False, per_round=per_round
+        )
         for r in range(num_ranks)
     ]
     stage_to_rank = loop_stage_to_rank(num_ranks, num_ranks * stages_per_rank)
     return Schedule(actions, stage_to_rank, num_microbatches, "Interleaved1F1B")
+
+
+def looped_1f1b(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    stages_per_rank: int = 2,
+    microbatches_per_round: int | None = None,
+) -> Schedule:
+    """Looped 1F1B: v looped stages per rank (stage s on rank s % p), 1F1B steady state,
+    microbatches taken through each local stage in rounds of `microbatches_per_round` (g).
+
+    Terms from Lamy-Poirier, "Breadth-First Pipeline Parallelism" (arXiv 2211.05953):
+    "looped" is the placement, the schedule says in which order a rank visits its stages.
+    - g = p (the default) is the paper's looped *depth-first* schedule, which is Megatron's
+      interleaved 1F1B (arXiv 2104.04473, rounds of exactly p, m a multiple of p). For
+      those sizes this is `interleaved_1f1b`, action for action (tests compare). The two
+      differ in what they accept: `interleaved_1f1b` follows torch's flexible rounds
+      (m < p runs one round of m; any m with m % (m // p) == 0), this refuses m % p != 0.
+    - g = m takes every microbatch through a local stage before the next, as the paper's
+      *breadth-first* schedule does, but keeps 1F1B's steady state: the last local stage
+      alternates F and B. `looped_bfs` instead runs every forward, then every backward
+      (GPipe-like: all m*v microbatch-stages in flight on every rank at once).
+    - p < g < m, g a multiple of p dividing m: in between (Megatron-core's
+      microbatch_group_size_per_vp_stage). Larger g: more activations, fewer stage switches.
+
+    Unit-cost bubble for every g: (p-1)/(v*m+p-1), like Interleaved1F1B and LoopedBFS.
+    Peak in flight on rank r: min(g*(v-1) + 2*(p-1-r) + 1, m*v) (the warm-up plus one).
+    """
+    _check_sizes(num_ranks, num_microbatches, stages_per_rank)
+    p, m = num_ranks, num_microbatches
+    g = p if microbatches_per_round is None else microbatches_per_round
+    if g < p or g % p or m % g:
+        raise ValueError(
+            f"Looped1F1B takes microbatches in rounds of microbatches_per_round({g}): it must "
+            f"be a multiple of num_ranks({p}) that divides num_microbatches({m}); for other "
+            "sizes use Interleaved1F1B (torch's flexible rounds)"
+        )
+    actions = [
+        _interleaved_rank(r, p, m, stages_per_rank, zero_bubble=False, per_round=g)
+        for r in range(p)
+    ]
+    return Schedule(actions, loop_stage_to_rank(p, p * stages_per_rank), m, "Looped1F1B")
 
 
 def interleaved_zero_bubble(
@@ -152,8 +204,11 @@ def interleaved_zero_bubble(
     into what would be bubble). With stages_per_rank=1 this is plain ZB-H1.
     """
     _check_sizes(num_ranks, num_microbatches, stages_per_rank)
+    per_round = _rounds(num_ranks, num_microbatches, "InterleavedZeroBubble")
     actions = [
-        _interleaved_rank(r, num_ranks, num_microbatches, stages_per_rank, zero_bubble=True)
+        _interleaved_rank(
+            r, num_ranks, num_microbatches, stages_per_rank, zero_bubble=True, per_round=per_round
+        )
         for r in range(num_ranks)
     ]
     stage_to_rank = loop_stage_to_rank(num_ranks, num_ranks * stages_per_rank)
@@ -216,6 +271,7 @@ SCHEDULES: dict[str, tuple[Callable[..., Schedule], bool, int]] = {
     "1F1B": (one_f_one_b, False, 1),
     "Interleaved1F1B": (interleaved_1f1b, True, 2),
     "LoopedBFS": (looped_bfs, True, 2),
+    "Looped1F1B": (looped_1f1b, True, 2),
     "InterleavedZeroBubble": (interleaved_zero_bubble, True, 2),
     "ZBVZeroBubble": (zbv_zero_bubble, False, 2),
     "DualPipeV": (dualpipe_v, False, 2),
@@ -226,7 +282,8 @@ def build_schedule(
     name: str, num_ranks: int, num_microbatches: int, *, stages_per_rank: int | None = None
 ) -> Schedule:
     """The built-in schedule `name` (case-insensitive, torch's names: "GPipe", "1F1B",
-    "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")."""
+    "Interleaved1F1B", "LoopedBFS", "Looped1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+    "DualPipeV")."""
     by_lower = {k.lower(): k for k in SCHEDULES}
     if name.lower() not in by_lower:
         raise ValueError(f"unknown schedule {name!r}; choose from {list(SCHEDULES)}")

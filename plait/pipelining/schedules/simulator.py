@@ -109,7 +109,7 @@ def bubble_formula(
     key = name.lower()
     if key in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
-    if key in ("interleaved1f1b", "loopedbfs"):
+    if key in ("interleaved1f1b", "loopedbfs", "looped1f1b"):
         return (p - 1) / (v * m + p - 1)
     return None
 

@@ -217,9 +217,20 @@ def register_sharding(op: OpOverload | list[OpOverload]):
 
         for overload in ops:
             RULES[overload] = rule
+            FLOAT_VALUE_FREE.discard(id(overload))  # the user's rule may read a float's value
+        _forget_plans(ops)
         return fn
 
     return wrapper
+
+
+def _forget_plans(ops: list[OpOverload]) -> None:
+    """Drop dispatch's cached plans for `ops`: a call already seen must use the new rule."""
+    from plait.tensor import dispatch  # dispatch imports this module
+
+    ids = {id(op) for op in ops}
+    for key in [k for k in dispatch._plans if k[0] in ids]:
+        del dispatch._plans[key]
 
 
 def _per_spec(call: OpCall, per_arg: list) -> tuple[Placement | None, ...]:

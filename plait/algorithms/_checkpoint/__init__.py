@@ -1,0 +1,1 @@
+"""torch.distributed.algorithms._checkpoint (implemented in plait.activation_checkpoint)."""

@@ -1,0 +1,1 @@
+"""torch.distributed.algorithms.model_averaging (implemented in plait.ddp.model_averaging)."""

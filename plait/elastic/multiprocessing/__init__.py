@@ -1,0 +1,1 @@
+"""torch.distributed.elastic.multiprocessing: only `errors`, what a worker script imports."""
