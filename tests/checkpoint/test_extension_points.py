@@ -225,3 +225,23 @@ def _global_plan_fails(path: str) -> list[int]:
 def test_coordinator_failure_reaches_every_rank(tmp_path):
     """create_global_plan runs on the coordinator alone; its failure is scattered to all."""
     assert run_distributed(_global_plan_fails, str(tmp_path / "c"), world_size=3) == [[0]] * 3
+
+
+def test_driven_load_still_checks_every_byte(tmp_path):
+    """A custom LoadPlanner reads through read_data, which checks as read does."""
+    dcp = source("plait").dcp
+    path = str(tmp_path / "c")
+    dcp.save(state(), checkpoint_id=path)
+    name = os.path.join(path, "__0_0.safetensors")
+    with open(name, "r+b") as f:  # the last byte: tensor data
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    class Custom(dcp.DefaultLoadPlanner):  # any subclass: driven through torch's protocol
+        pass
+
+    with pytest.raises(dcp.CheckpointException) as info:
+        dcp.load(state(zero=True), checkpoint_id=path, planner=Custom())
+    failure = info.value.failures[0]
+    assert isinstance(failure, dcp.CorruptCheckpointError) and "__0_0.safetensors" in str(failure)
