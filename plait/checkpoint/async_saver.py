@@ -26,9 +26,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait.checkpoint import commit
-from plait.checkpoint.planner import DefaultSavePlanner, WriteItem
+from plait.checkpoint.planner import ChunkWrite
+from plait.checkpoint.planner_api import SavePlanner
 from plait.checkpoint.saver import COMMIT_TIMEOUT_S, Prepared, prepare, write_own
-from plait.checkpoint.storage import FileSystemWriter
+from plait.checkpoint.storage_api import StorageWriter
 
 # One background writer per process, and the save it is running: the next save waits for
 # it, so two saves never write at once and staged copies never pile up.
@@ -37,7 +38,7 @@ _previous: Future | None = None
 _lock = threading.Lock()
 
 
-def stage(items: list[WriteItem]) -> list[WriteItem]:
+def stage(items: list[ChunkWrite]) -> list[ChunkWrite]:
     """A host-memory copy of every chunk this rank writes: one staged copy of its share."""
     staged = []
     for it in items:
@@ -50,7 +51,7 @@ def stage(items: list[WriteItem]) -> list[WriteItem]:
     return staged
 
 
-def _background(p: Prepared, items: list[WriteItem]):
+def _background(p: Prepared, items: list[ChunkWrite]):
     error = write_own(p, items)
     if error is not None:
         raise error
@@ -72,7 +73,7 @@ def wait_previous() -> None:
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
-               storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
+               storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
                process_group: ProcessGroup | None = None, no_dist: bool = False) -> Future:
     """torch's async_save: returns once the state is staged; the Future resolves when written."""
     global _executor, _previous

@@ -14,9 +14,9 @@ from typing import Any
 
 from torch.distributed import ProcessGroup
 
+from plait.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from plait.checkpoint.loader import load
 from plait.checkpoint.metadata import Metadata
-from plait.checkpoint.planner import DefaultLoadPlanner, DefaultSavePlanner
 from plait.checkpoint.saver import save
 from plait.checkpoint.storage import FileSystemReader, FileSystemWriter
 

@@ -5,6 +5,9 @@
     .gather_json(obj)         -- every rank's JSON-able obj, in rank order (all_gather via plait.comm)
     .agree(error, payload)    -- every rank's payload, or raise on every rank if any rank failed
                                  (so no rank waits forever for one that already raised)
+    .gather_to_coordinator(obj) / .scatter_from_coordinator(objs)
+                              -- torch's gather / scatter of plans: rank 0 receives every rank's
+                                 obj, rank r receives objs[r] (all_to_all with one nonzero piece)
 
 Objects travel as UTF-8 JSON in uint8 tensors (no pickle, unlike all_gather_object).
 """
@@ -58,3 +61,40 @@ class Group:
             r, m = failed[0]
             raise CheckpointError(f"checkpoint failed on rank {r} ({len(failed)} rank(s) failed): {m}")
         return [p for _, p in got]
+
+    def _to_bytes(self, obj: Any) -> torch.Tensor:
+        return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+    def gather_to_coordinator(self, obj: Any) -> list[Any] | None:
+        """Collective: every rank's JSON-able obj on rank 0 (rank order); None elsewhere."""
+        if self.size == 1:
+            return [obj]
+        data = self._to_bytes(obj)
+        sizes = [int(s) for s in comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=self.pg)]
+        to_coordinator = [data.numel()] + [0] * (self.size - 1)
+        got = comm.all_to_all(data, group=self.pg, input_split_sizes=to_coordinator,
+                              output_split_sizes=sizes if self.rank == 0 else [0] * self.size)
+        if self.rank != 0:
+            return None
+        joined, out, start = got.numpy().tobytes(), [], 0
+        for s in sizes:
+            out.append(json.loads(joined[start:start + s]))
+            start += s
+        return out
+
+    def scatter_from_coordinator(self, objs: list[Any] | None) -> Any:
+        """Collective: objs[r] (given on rank 0, one per rank) on rank r."""
+        if self.size == 1:
+            return objs[0]
+        if self.rank == 0:
+            assert objs is not None and len(objs) == self.size, (self.size, None if objs is None else len(objs))
+            blobs = [self._to_bytes(o) for o in objs]
+            sizes = torch.tensor([b.numel() for b in blobs], dtype=torch.int64)
+            data = torch.cat(blobs)
+        else:
+            sizes, data = torch.zeros(self.size, dtype=torch.int64), torch.empty(0, dtype=torch.uint8)
+        comm.broadcast(sizes, src=0, group=self.pg)
+        mine = [int(sizes[self.rank])] + [0] * (self.size - 1)
+        got = comm.all_to_all(data, group=self.pg, output_split_sizes=mine,
+                              input_split_sizes=[int(s) for s in sizes] if self.rank == 0 else [0] * self.size)
+        return json.loads(got.numpy().tobytes())

@@ -22,6 +22,7 @@ where every element is.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import zlib
@@ -111,6 +112,24 @@ class Metadata:
     world_size: int
     files: list[str]
     file_meta: dict[str, FileMeta] = field(default_factory=dict)  # empty in a version-1 checkpoint
+    # torch's Metadata fields, for planners and storage layers written against torch's DCP
+    planner_data = None
+    storage_meta = None
+    version = None
+
+    @functools.cached_property
+    def state_dict_metadata(self) -> dict[str, Any]:
+        """torch's view: fqn -> TensorStorageMetadata (chunks) | BytesStorageMetadata."""
+        from plait.checkpoint.planner_api import state_dict_metadata_of
+
+        return state_dict_metadata_of(self)
+
+    @functools.cached_property
+    def storage_data(self) -> dict[Any, ChunkMeta]:
+        """MetadataIndex(fqn, chunk offsets) -> where the chunk's bytes are."""
+        from plait.checkpoint.planner_api import MetadataIndex
+
+        return {MetadataIndex(fqn, c.offsets): c for fqn, t in self.tensors.items() for c in t.chunks}
 
     def to_json(self) -> str:
         body = {"format": FORMAT, "version": VERSION, **asdict(self)}

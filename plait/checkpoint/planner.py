@@ -1,12 +1,16 @@
 """Planners: which chunks this rank writes, and which saved pieces each local shard reads.
 
-    save: flat leaves -> WriteItems (fqn, offsets, sizes, local data), one writer per chunk
+    save: flat leaves -> ChunkWrites (fqn, offsets, sizes, local data), one writer per chunk
           plain tensor    -> one chunk, the whole tensor, written by one rank of the group
           DTensor         -> this rank's piece (Shard axes cut it, torch.chunk sizes);
                              ranks that hold the same piece along Replicate axes: only the one
                              at coordinate 0 on those axes writes it (dedup); Partial refused
-    load: flat leaves + Metadata -> ReadItems: for each local shard, every saved chunk that
+    load: flat leaves + Metadata -> ChunkReads: for each local shard, every saved chunk that
           overlaps it, with the box to copy (src offsets in the chunk, dst offsets in the shard)
+
+save()/load() with the built-in planner and file system storage call plan_leaves / plan_reads
+directly; default_planner.py puts these classes behind torch's SavePlanner / LoadPlanner
+protocol (planner_api.py, re-exported here as torch's ...checkpoint.planner has them).
 
 Both are pure functions of shapes and coordinates, so any saved layout reads into any
 current layout: the chunks of a tensor tile it exactly once, and the overlaps of a shard
@@ -24,12 +28,22 @@ import torch
 
 from plait.checkpoint import values as values_mod
 from plait.checkpoint.metadata import ChunkMeta, Metadata, dtype_name, safetensors_tag
+from plait.checkpoint.planner_api import (  # noqa: F401 - torch's import path: ...checkpoint.planner
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from plait.tensor.dtensor import DTensor
 from plait.tensor.placement import Partial, Replicate, local_shape_and_offset
 
 
 @dataclass
-class WriteItem:
+class ChunkWrite:
     fqn: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -39,8 +53,8 @@ class WriteItem:
 
 
 @dataclass
-class SavePlan:
-    items: list[WriteItem]
+class ChunkSavePlan:
+    items: list[ChunkWrite]
     tensors: dict[str, dict[str, Any]]  # fqn -> {shape, dtype, layout}: every tensor, written here or not
     values: dict[str, Any]  # fqn -> encoded value
     # keys of the chunks this rank could write ("fqn" for a plain tensor, "fqn@offsets" for a
@@ -49,7 +63,7 @@ class SavePlan:
 
 
 @dataclass
-class ReadItem:
+class ChunkRead:
     fqn: str
     chunk: ChunkMeta
     dtype: torch.dtype
@@ -59,8 +73,8 @@ class ReadItem:
 
 
 @dataclass
-class LoadPlan:
-    reads: list[ReadItem]
+class ChunkLoadPlan:
+    reads: list[ChunkRead]
     values: dict[str, Any]  # fqn -> decoded value to assign
     report: list[str] = field(default_factory=list)  # problems skipped under allow_partial_load
 
@@ -100,8 +114,9 @@ def piece(shape, placements, mesh_shape, coordinate) -> tuple[tuple[int, ...], t
     return sizes, offsets, writer
 
 
-class DefaultSavePlanner:
-    """torch's DefaultSavePlanner: flatten, dedup replicated chunks, one writer each.
+class SaveChunkPlanner:
+    """The chunk logic of torch's DefaultSavePlanner (default_planner.py adds torch's protocol):
+    flatten, dedup replicated chunks, one writer each.
 
     dedup_save_to_lowest_rank=False (torch's default) spreads the plain (replicated)
     tensors over their holders round-robin so every rank writes a share; True gives each
@@ -116,8 +131,8 @@ class DefaultSavePlanner:
         del dedup_replicated_tensors  # deprecated in torch too: dedup always happens
         self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
 
-    def create_local_plan(self, leaves: dict[str, Any]) -> SavePlan:
-        items: list[WriteItem] = []
+    def plan_leaves(self, leaves: dict[str, Any]) -> ChunkSavePlan:
+        items: list[ChunkWrite] = []
         tensors: dict[str, dict[str, Any]] = {}
         values: dict[str, Any] = {}
         candidates: list[str] = []
@@ -138,10 +153,10 @@ class DefaultSavePlanner:
                 # a DTensor on a sub-mesh (mesh["dp"] of a (dp, tp) world) by one rank per
                 # coordinate of the other axes: assign_writers keeps one holder per chunk
                 candidates.append(_chunk_key(fqn, offsets, isinstance(v, DTensor)))
-                items.append(WriteItem(fqn, tuple(offsets), tuple(local.shape), local, shape, tensors[fqn]["layout"]))
-        return SavePlan(items, tensors, values, candidates)
+                items.append(ChunkWrite(fqn, tuple(offsets), tuple(local.shape), local, shape, tensors[fqn]["layout"]))
+        return ChunkSavePlan(items, tensors, values, candidates)
 
-    def assign_writers(self, plan: SavePlan, candidates_by_rank: list[list[str]], *, rank: int) -> SavePlan:
+    def assign_writers(self, plan: ChunkSavePlan, candidates_by_rank: list[list[str]], *, rank: int) -> ChunkSavePlan:
         """Keep the chunks this rank writes: of the ranks holding an equal chunk, one writes it
         (round-robin over the chunks, or the lowest holder with dedup_save_to_lowest_rank)."""
         holders: dict[str, list[int]] = {}
@@ -177,8 +192,9 @@ def _missing(fqn: str, v: Any, metadata: Metadata, where: str) -> str:
     return msg
 
 
-class DefaultLoadPlanner:
-    """torch's DefaultLoadPlanner. allow_partial_load=True reports keys missing from the
+class LoadChunkPlanner:
+    """The read logic of torch's DefaultLoadPlanner (default_planner.py adds torch's protocol).
+    allow_partial_load=True reports keys missing from the
     checkpoint, unexpected saved keys and shape/dtype mismatches (warnings, and
     `self.report`) and skips them instead of raising."""
 
@@ -196,12 +212,12 @@ class DefaultLoadPlanner:
         self.report.append(msg)
         warnings.warn(msg, stacklevel=4)
 
-    def create_local_plan(self, leaves: dict[str, Any], metadata: Metadata, *, where: str,
-                          containers: set[str]) -> LoadPlan:
+    def plan_reads(self, leaves: dict[str, Any], metadata: Metadata, *, where: str,
+                   containers: set[str]) -> ChunkLoadPlan:
         """`containers`: top-level keys whose whole subtree is being loaded, so a saved key
         under one of them that the state dict lacks means the wrong model or optimizer."""
         self.report = []
-        plan = LoadPlan([], {})
+        plan = ChunkLoadPlan([], {})
         for fqn, v in leaves.items():
             if isinstance(v, torch.Tensor):
                 self._plan_tensor(fqn, v, metadata, where, plan)
@@ -218,7 +234,7 @@ class DefaultLoadPlanner:
                               "does not (a different model? allow_partial_load=True skips it)")
         return plan
 
-    def _plan_tensor(self, fqn: str, v: torch.Tensor, metadata: Metadata, where: str, plan: LoadPlan) -> None:
+    def _plan_tensor(self, fqn: str, v: torch.Tensor, metadata: Metadata, where: str, plan: ChunkLoadPlan) -> None:
         meta = metadata.tensors.get(fqn)
         if meta is None:
             if fqn in metadata.values:
@@ -246,7 +262,7 @@ class DefaultLoadPlanner:
             for d, (start, n) in enumerate(zip(lo, size)):
                 dst = dst.narrow(d, start - offsets[d], n)
             src = tuple(lo_d - c_d for lo_d, c_d in zip(lo, c.offsets))
-            plan.reads.append(ReadItem(fqn, c, dtype, src, dst, tuple(size)))
+            plan.reads.append(ChunkRead(fqn, c, dtype, src, dst, tuple(size)))
             covered += math.prod(size)
         if covered != local.numel():
             raise ValueError(f"{where} covers {covered} of the {local.numel()} elements of this rank's "

@@ -18,45 +18,60 @@ from typing import Any
 from torch.distributed import ProcessGroup
 
 from plait.checkpoint import commit
+from plait.checkpoint.default_planner import DefaultSavePlanner
+from plait.checkpoint.driver import save_with
 from plait.checkpoint.flatten import flatten
 from plait.checkpoint.group import Group
 from plait.checkpoint.metadata import METADATA_FILE, Metadata
-from plait.checkpoint.planner import DefaultSavePlanner, SavePlan, WriteItem
+from plait.checkpoint.planner import ChunkSavePlan, ChunkWrite
+from plait.checkpoint.planner_api import SavePlanner
 from plait.checkpoint.stateful import expand
 from plait.checkpoint.storage import FileSystemWriter
+from plait.checkpoint.storage_api import StorageWriter
 
 COMMIT_TIMEOUT_S = 1800.0  # rank 0 waits this long for the other ranks' files (async save)
 
 
-def resolve_writer(checkpoint_id: str | os.PathLike | None, storage_writer: FileSystemWriter | None) -> FileSystemWriter:
+def resolve_writer(checkpoint_id: str | os.PathLike | None, storage_writer: StorageWriter | None) -> StorageWriter:
     if storage_writer is None:
         if checkpoint_id is None:
             raise ValueError("give checkpoint_id (a directory path) or storage_writer=FileSystemWriter(path)")
         return FileSystemWriter(checkpoint_id)
-    if not isinstance(storage_writer, FileSystemWriter):
-        raise TypeError(f"storage_writer must be a plait.checkpoint.FileSystemWriter, got {type(storage_writer).__name__}")
-    storage_writer.reset(checkpoint_id)
+    if not isinstance(storage_writer, StorageWriter):
+        raise TypeError("storage_writer must be a plait.checkpoint.StorageWriter (FileSystemWriter, "
+                        f"HuggingFaceStorageWriter or your subclass), got {type(storage_writer).__name__}")
+    if checkpoint_id is not None:  # torch resets a given storage layer only to a new id
+        storage_writer.reset(checkpoint_id)
     return storage_writer
+
+
+def is_direct(writer: StorageWriter, planner: SavePlanner | None) -> bool:
+    """The built-in planner and writer take the direct path; anything else is driven through
+    torch's protocol (driver.py), so every override is called where torch calls it."""
+    return type(writer) is FileSystemWriter and (planner is None or type(planner) is DefaultSavePlanner)
 
 
 @dataclass
 class Prepared:
     writer: FileSystemWriter
     group: Group
-    plan: SavePlan
+    plan: ChunkSavePlan
     staging: str
 
 
 def prepare(state_dict: dict[str, Any], checkpoint_id, storage_writer, planner, process_group, no_dist: bool) -> Prepared:
     """Plan on every rank and open the staging directory: the collective part before writing."""
     writer = resolve_writer(checkpoint_id, storage_writer)
+    if not is_direct(writer, planner):
+        raise TypeError(f"async_save drives plait's DefaultSavePlanner and FileSystemWriter only, got planner "
+                        f"{type(planner).__name__}, storage_writer {type(writer).__name__}: use save() for them")
     planner = planner or DefaultSavePlanner()
     group = Group(process_group, no_dist=no_dist)
     error, plan = None, None
     try:
         expanded, _ = expand(state_dict)
         leaves, _ = flatten(expanded)
-        plan = planner.create_local_plan(leaves)
+        plan = planner.plan_leaves(leaves)
         if group.rank == 0:
             commit.begin(writer.path, overwrite=writer.overwrite)
     except (ValueError, TypeError, OSError) as e:
@@ -66,7 +81,7 @@ def prepare(state_dict: dict[str, Any], checkpoint_id, storage_writer, planner, 
     return Prepared(writer, group, plan, commit.staging_dir(writer.path))
 
 
-def write_own(p: Prepared, items: list[WriteItem]) -> BaseException | None:
+def write_own(p: Prepared, items: list[ChunkWrite]) -> BaseException | None:
     """Write this rank's files and its fragment; the error, if any, goes in the fragment."""
     error, files, chunks, file_meta = None, [], {}, {}
     try:
@@ -90,16 +105,19 @@ def read_committed(path: str) -> Metadata:
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
-         storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
+         storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
          process_group: ProcessGroup | None = None, no_dist: bool = False) -> Metadata:
     """Save `state_dict` (plain tensors, DTensors, Stateful members, JSON-able values) to the
     directory `checkpoint_id`, every rank writing its own chunks. Collective over
     `process_group` (default: the world, or this process alone when none is initialized or
-    no_dist=True)."""
+    no_dist=True). A custom SavePlanner / StorageWriter is driven in torch's call order."""
     from plait.checkpoint.async_saver import wait_previous  # async_saver builds on this module
 
     wait_previous()
-    p = prepare(state_dict, checkpoint_id, storage_writer, planner, process_group, no_dist)
+    writer = resolve_writer(checkpoint_id, storage_writer)
+    if not is_direct(writer, planner):
+        return save_with(state_dict, writer, planner or DefaultSavePlanner(), Group(process_group, no_dist=no_dist))
+    p = prepare(state_dict, None, writer, planner, process_group, no_dist)
     p.group.agree(write_own(p, p.plan.items))
     error, metadata = None, None
     if p.group.rank == 0:

@@ -10,11 +10,23 @@
         box is read straight into it, the rest through a buffer)
 A corrupt byte raises CorruptCheckpointError naming the file (the tensor where there is
 one), the checkpoint, and the previous complete one beside it (integrity.describe).
+
+Both also implement torch's StorageWriter / StorageReader protocol (storage_api.py), which
+save()/load() drive for a custom planner, and a custom storage layer may wrap:
+    write_data(plan, planner): resolve_data per item -> the same files -> WriteResults whose
+        storage_data is the ChunkMeta and the file's FileMeta (a value: its JSON)
+    finish(metadata, results): the results as per-rank fragments -> commit.finish (the
+        atomic commit the direct path uses)
+    read_data(plan, planner): the same checks as read (file size and header, chunk crc32)
+        -> resolve_tensor, copy_, commit_tensor per box; a value: load_bytes with its JSON
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -23,22 +35,42 @@ from typing import Any
 import torch
 
 from plait.checkpoint import commit, integrity
+from plait.checkpoint.default_planner import LAYOUTS
 from plait.checkpoint.metadata import (
     METADATA_FILE,
     ChunkMeta,
     CorruptCheckpointError,
     FileMeta,
     Metadata,
+    dtype_name,
 )
-from plait.checkpoint.planner import ReadItem, WriteItem
+from plait.checkpoint.planner import ChunkRead, ChunkWrite
+from plait.checkpoint.planner_api import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    StorageMeta,
+    TensorStorageMetadata,
+    WriteItemType,
+)
 from plait.checkpoint.safetensors_io import check_file, read_chunk, write_file
+from plait.checkpoint.storage_api import (  # torch's import path
+    StorageReader,
+    StorageWriter,
+    WriteResult,
+    done,
+)
+
+COMMIT_TIMEOUT_S = 1800.0  # finish() waits this long for the fragments it has just written
 
 
 def chunk_name(fqn: str, offsets: tuple[int, ...]) -> str:
     return f"{fqn}@{','.join(map(str, offsets))}" if offsets else fqn
 
 
-class FileSystemWriter:
+class FileSystemWriter(StorageWriter):
     """Writes a checkpoint into directory `path` (torch's FileSystemWriter).
 
     thread_count: files written in parallel per rank (one file per thread).
@@ -60,11 +92,11 @@ class FileSystemWriter:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
 
-    def _buckets(self, items: list[WriteItem], rank: int) -> list[tuple[str, list[WriteItem]]]:
+    def _buckets(self, items: list[ChunkWrite], rank: int) -> list[tuple[str, list[ChunkWrite]]]:
         if not self.single_file_per_rank:
             return [(f"__{rank}_{i}.safetensors", [it]) for i, it in enumerate(items)]
         n = min(self.thread_count, max(1, len(items)))
-        buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+        buckets: list[list[ChunkWrite]] = [[] for _ in range(n)]
         sizes = [0] * n
         for it in sorted(items, key=lambda it: -it.data.numel() * it.data.element_size()):
             i = sizes.index(min(sizes))  # largest first into the emptiest: balanced threads
@@ -72,12 +104,12 @@ class FileSystemWriter:
             sizes[i] += it.data.numel() * it.data.element_size()
         return [(f"__{rank}_{i}.safetensors", b) for i, b in enumerate(buckets) if b]
 
-    def write(self, items: list[WriteItem], staging: str,
+    def write(self, items: list[ChunkWrite], staging: str,
               rank: int) -> tuple[list[str], dict[str, list[dict[str, Any]]], dict[str, dict[str, int]]]:
         buckets = self._buckets(items, rank)
         file_meta: dict[str, dict[str, int]] = {}
 
-        def one(name: str, bucket: list[WriteItem]) -> list[tuple[WriteItem, tuple[str, int, int, int]]]:
+        def one(name: str, bucket: list[ChunkWrite]) -> list[tuple[ChunkWrite, tuple[str, int, int, int]]]:
             written = write_file(os.path.join(staging, name),
                                  [(chunk_name(it.fqn, it.offsets), it.data) for it in bucket], sync=self.sync_files)
             file_meta[name] = asdict(written.file_meta)  # one key per thread: no lock needed
@@ -94,8 +126,80 @@ class FileSystemWriter:
                 chunks[it.fqn].append(asdict(ChunkMeta(list(it.offsets), list(it.sizes), file, name, begin, nbytes, crc)))
         return [f for f, _ in buckets], dict(chunks), file_meta
 
+    # torch's StorageWriter protocol (driver.py calls these in torch's order)
 
-class FileSystemReader:
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int = 0, **kwargs: Any) -> None:
+        self.rank, self.is_coordinator = rank, is_coordinator
+        if is_coordinator:  # before the plan exchange, so before any rank writes into it
+            commit.begin(self.path, overwrite=self.overwrite)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans  # files are named by rank (__R_T.safetensors): nothing to assign centrally
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        results: list[WriteResult] = []
+        chunks: list[ChunkWrite] = []
+        for it in plan.items:
+            data = planner.resolve_data(it)
+            if it.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    raise ValueError(f"value {it.index.fqn!r}: resolve_data gave bytes that are not JSON; plait's "
+                                     "checkpoint stores values as JSON (DefaultSavePlanner.resolve_data), never "
+                                     "torch.save/pickle") from None
+                results.append(WriteResult(it.index, len(raw), {"value": value}))
+                continue
+            td = it.tensor_data
+            if tuple(data.shape) != tuple(td.chunk.sizes):
+                raise ValueError(f"resolve_data gave {it.index.fqn!r} shape {list(data.shape)}, the plan's chunk "
+                                 f"has sizes {list(td.chunk.sizes)}")
+            chunks.append(ChunkWrite(it.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes),
+                                     data.to(td.properties.dtype), tuple(td.size), {}))
+        _, written, file_meta = self.write(chunks, commit.staging_dir(self.path), getattr(self, "rank", 0))
+        by_key = {(fqn, tuple(c["offsets"])): c for fqn, cs in written.items() for c in cs}
+        for it in plan.items:
+            if it.type != WriteItemType.BYTE_IO:
+                c = by_key[(it.index.fqn, tuple(it.tensor_data.chunk.offsets))]
+                results.append(WriteResult(it.index, c["nbytes"], {"chunk": c, "file_meta": file_meta[c["file"]]}))
+        return done(results)
+
+    def finish(self, metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: each rank's results as its fragment, then the direct path's commit."""
+        staging = commit.staging_dir(self.path)
+        pd = metadata.planner_data
+        layouts = pd.get(LAYOUTS, {}) if isinstance(pd, dict) else {}  # DefaultSavePlanner's, if kept
+        tensors = {fqn: {"shape": list(e.size), "dtype": dtype_name(e.properties.dtype),
+                         "layout": layouts.get(fqn, {"placements": []})}
+                   for fqn, e in metadata.state_dict_metadata.items() if isinstance(e, TensorStorageMetadata)}
+        for r, rank_results in enumerate(results):
+            chunks: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            values: dict[str, Any] = {}
+            file_meta: dict[str, dict[str, int]] = {}
+            for res in rank_results:
+                if "value" in res.storage_data:
+                    values[res.index.fqn] = res.storage_data["value"]
+                else:
+                    chunks[res.index.fqn].append(res.storage_data["chunk"])
+                    file_meta[res.storage_data["chunk"]["file"]] = res.storage_data["file_meta"]
+            body = {"rank": r, "tensors": tensors if r == 0 else {}, "chunks": dict(chunks), "values": values,
+                    "files": sorted(file_meta), "file_meta": file_meta, "error": None}
+            commit.write_fragment(staging, r, body, sync=False)
+        commit.finish(self.path, len(results), sync=self.sync_files, timeout=COMMIT_TIMEOUT_S)
+
+
+class FileSystemReader(StorageReader):
     """Reads a checkpoint directory written by FileSystemWriter (torch's FileSystemReader)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -125,17 +229,17 @@ class FileSystemReader:
                 self._fqns[c.file].append(fqn)
         return md
 
-    def read(self, reads: list[ReadItem]) -> None:
+    def read(self, reads: list[ChunkRead]) -> None:
         try:
             self._read(reads)
         except CorruptCheckpointError as e:
             raise type(e)(integrity.describe(self.path, str(e))) from None
 
-    def _read(self, reads: list[ReadItem]) -> None:
+    def _read(self, reads: list[ChunkRead]) -> None:
         for file in sorted({r.chunk.file for r in reads}):
             if file in self._file_meta:  # absent in a version-1 checkpoint: chunks checked only
                 check_file(os.path.join(self.path, file), self._file_meta[file], file=file, fqns=self._fqns[file])
-        by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
+        by_chunk: dict[tuple[str, int], list[ChunkRead]] = defaultdict(list)
         for r in reads:
             by_chunk[(r.chunk.file, r.chunk.begin)].append(r)
         for (file, _), group in sorted(by_chunk.items()):
@@ -155,3 +259,55 @@ class FileSystemReader:
                 for d, (start, n) in enumerate(zip(r.src_offsets, r.sizes)):
                     src = src.narrow(d, start, n)
                 r.dst.copy_(src)
+    # torch's StorageReader protocol (driver.py calls these in torch's order)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        try:
+            return self._read_data(plan, planner)
+        except CorruptCheckpointError as e:
+            raise type(e)(integrity.describe(self.path, str(e))) from None
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        md = self.metadata
+        by_chunk = defaultdict(list)
+        for r in plan.items:
+            if r.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(r, io.BytesIO(json.dumps(md.values[r.storage_index.fqn]).encode()))
+            else:
+                by_chunk[r.storage_index].append(r)
+        chunks = {index: md.storage_data.get(index) for index in by_chunk}
+        for file in sorted({c.file for c in chunks.values() if c is not None}):
+            if file in md.file_meta:  # absent in a version-1 checkpoint: chunks checked only
+                fqns = sorted({fqn for fqn, t in md.tensors.items() for ch in t.chunks if ch.file == file})
+                check_file(os.path.join(self.path, file), md.file_meta[file], file=file, fqns=fqns)
+        for index, reads in by_chunk.items():
+            c = chunks[index]
+            if c is None:
+                raise ValueError(f"checkpoint {self.path} has no chunk of {index.fqn!r} at offsets "
+                                 f"{list(index.offset or ())}: the load plan asks for one it never saved")
+            dtype = md.state_dict_metadata[index.fqn].properties.dtype
+            src_full = read_chunk(os.path.join(self.path, c.file), c, fqn=index.fqn).view(dtype).view(c.sizes)
+            for r in reads:
+                src = src_full
+                for d, (start, n) in enumerate(zip(r.storage_offsets, r.lengths)):
+                    src = src.narrow(d, start, n)
+                target = planner.resolve_tensor(r).detach()
+                if tuple(target.shape) != tuple(src.shape):
+                    raise ValueError(f"resolve_tensor gave {index.fqn!r} shape {list(target.shape)} for a box "
+                                     f"of {list(src.shape)}")
+                target.copy_(src)
+                planner.commit_tensor(r, target)
+        return done(None)

@@ -164,16 +164,9 @@ class Checkpointer:
             shutil.rmtree(step_dir(self.folder, step), ignore_errors=True)
 
 
-def export_safetensors(checkpoint: Path, out: Path) -> None:
-    """One consolidated safetensors file of the model's full tensors (rank 0, from the saved
-    checkpoint: every layout gives the same file)."""
-    from safetensors.torch import save_file
-
-    from plait.checkpoint.tools import full_tensor
-
-    reader = dcp.FileSystemReader(str(checkpoint))
-    md = reader.read_metadata()
-    prefix = "app.model."
-    tensors = {fqn[len(prefix):]: full_tensor(reader, md, fqn).contiguous() for fqn in md.tensors
-               if fqn.startswith(prefix)}
-    save_file(tensors, str(out), metadata={"format": "pt"})
+def export_safetensors(state: TrainState, out: Path) -> None:
+    """The model in the Hugging Face layout in `out` (model-0000k-of-0000n.safetensors +
+    model.safetensors.index.json). Collective: every rank writes the tensors (or pieces of
+    them) it owns in place, so no rank gathers the model; any layout gives the same files."""
+    model = state.state_dict()["model"]
+    dcp.save(model, storage_writer=dcp.HuggingFaceStorageWriter(str(out)), process_group=comm.world_group())

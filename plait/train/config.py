@@ -111,7 +111,7 @@ class Checkpoint:
     async_mode: bool = True
     keep_latest_k: int = 0  # 0: keep all
     resume: bool = True  # start from the latest complete checkpoint in `folder`
-    export_safetensors: bool = False  # a consolidated model.safetensors at the end
+    export_safetensors: bool = False  # the model in the Hugging Face layout in {job.dir}/hf at the end
 
 
 @dataclass

@@ -34,7 +34,6 @@ from plait.train.checkpointing import (
     TrainState,
     agreed_latest,
     export_safetensors,
-    step_dir,
 )
 from plait.train.config import JobConfig
 from plait.train.data import BatchStream, val_batches
@@ -268,9 +267,10 @@ def train(config: JobConfig) -> TrainResult:
             checkpointer.save(state, step)
     wall = time.perf_counter() - wall0
     if checkpointer is not None:
-        last = checkpointer.save(state, t.steps, final=True) if start < t.steps else step_dir(folder, start)
-        if ck.export_safetensors and rank == 0:
-            export_safetensors(last, run_dir / "model.safetensors")
+        if start < t.steps:
+            checkpointer.save(state, t.steps, final=True)
+        if ck.export_safetensors:  # every rank writes what it owns, from the live (saved) state
+            export_safetensors(state, run_dir / "hf")
         comm.barrier(group=comm.world_group())
     result.records = log.records
     result.graph_breaks = _graph_breaks() - graph_breaks_before

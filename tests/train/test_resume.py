@@ -12,6 +12,7 @@ another order; the resumed state itself is exact (model, AdamW moments, step, da
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -52,7 +53,12 @@ def test_save_on_8_ranks_resume_on_4_with_another_layout(resume_layout):
             from plait.train import load
             from plait.train.trainer import model_args
 
-            tensors = load_file(str(Path(job) / "model.safetensors"))
+            hf = Path(job) / "hf"  # the Hugging Face layout, written by the 4 ranks
+            weight_map = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+            tensors = {}
+            for name in sorted(set(weight_map.values())):
+                tensors.update(load_file(str(hf / name)))
+            assert sorted(tensors) == sorted(weight_map)
             model = Transformer(model_args(load("tiny")))
             assert set(tensors) == set(model.state_dict())
             model.load_state_dict(tensors)  # full shapes, one process

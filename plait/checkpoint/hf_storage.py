@@ -1,0 +1,306 @@
+"""Hugging Face layout, written by the ranks that own the data: no rank gathers the model.
+
+    save(model_sd, storage_writer=HuggingFaceStorageWriter(path))    (FSDP / TP DTensors, plain)
+      every rank: DefaultSavePlanner's plan, one WriteItem per chunk it owns (replicas once)
+      coordinator, prepare_global_plan: each tensor -> a file (fqn_to_index_mapping, else
+          packed in state-dict order up to max_shard_size, else one file); every file's
+          safetensors header (full shapes) written and the file extended to its full size
+      every rank, write_data: each chunk's bytes pwritten at their place in the full
+          tensor: a dim-0 row range (FSDP's Shard(0)) is one run, a Shard(1) box one run per
+          row; several ranks write disjoint ranges of one file at once
+      coordinator, finish: model.safetensors.index.json {metadata.total_size, weight_map}
+          last (temp name + rename): the layout is complete once the index exists
+    load(sd, storage_reader=HuggingFaceStorageReader(path))  -> each local shard reads its
+      box of every tensor by byte range (any layout; DTensor shards read only their rows)
+
+Memory: a rank holds nothing beyond its own shards (a CPU copy of one chunk at a time
+when the shard lives on a GPU); the coordinator holds only headers. Unlike torch's
+HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True), which writes
+per-rank files and then consolidates them, the files are written once, in place. The
+files are safetensors exactly (any safetensors reader opens them); the layout has no
+checksums and holds tensors only (a non-tensor value is refused by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import torch
+
+from plait.checkpoint.metadata import _ST_TAGS, safetensors_tag
+from plait.checkpoint.planner_api import (
+    ChunkStorageMetadata,
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    Metadata,
+    MetadataIndex,
+    SavePlan,
+    SavePlanner,
+    TensorProperties,
+    TensorStorageMetadata,
+    WriteItemType,
+)
+from plait.checkpoint.storage_api import StorageReader, StorageWriter, WriteResult, done
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {tag: dtype for dtype, tag in _ST_TAGS.items()}
+
+
+def file_name(k: int, n: int) -> str:
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+def box_runs(shape, offsets, sizes) -> list[tuple[int, int]]:
+    """(start, length) in elements of the contiguous runs of a box of a row-major tensor, in
+    the box's own row-major order; the trailing dims the box spans whole merge into one run."""
+    n = len(shape)
+    k = n
+    while k > 0 and offsets[k - 1] == 0 and sizes[k - 1] == shape[k - 1]:
+        k -= 1
+    if math.prod(sizes) == 0:
+        return []
+    if k == 0:
+        return [(0, math.prod(shape))]
+    strides = [math.prod(shape[d + 1:]) for d in range(n)]
+    run = sizes[k - 1] * strides[k - 1]
+    outer = [range(offsets[d], offsets[d] + sizes[d]) for d in range(k - 1)]
+    return [(sum(i * strides[d] for d, i in enumerate(idx)) + offsets[k - 1] * strides[k - 1], run)
+            for idx in itertools.product(*outer)]
+
+
+def _header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header for these tensors in this order, and each one's data begin."""
+    header, begins, offset = {}, {}, 0
+    for fqn, dtype, shape in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[fqn] = {"dtype": safetensors_tag(dtype, key=fqn), "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        begins[fqn] = offset
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data area to 8 bytes
+    raw = struct.pack("<Q", len(raw)) + raw
+    return raw, {fqn: len(raw) + b for fqn, b in begins.items()}
+
+
+class HuggingFaceStorageWriter(StorageWriter):
+    """torch's HuggingFaceStorageWriter. fqn_to_index_mapping: fqn -> file index 1..N;
+    max_shard_size (plait's, bytes): without a mapping, start a new file past this size.
+    save_distributed / enable_consolidation are accepted for torch's callers: plait always
+    writes from every rank straight into the consolidated layout, which is what they ask for.
+    """
+
+    def __init__(self, path: str | os.PathLike, fqn_to_index_mapping: dict[str, int] | None = None,
+                 thread_count: int = 1, save_distributed: bool = False, enable_consolidation: bool = False,
+                 thread_count_consolidation: int = 1, *, max_shard_size: int | None = None,
+                 sync_files: bool = True) -> None:
+        if max_shard_size is not None and max_shard_size <= 0:
+            raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
+        if fqn_to_index_mapping is not None and max_shard_size is not None:
+            raise ValueError("give fqn_to_index_mapping or max_shard_size, not both")
+        del thread_count, save_distributed, enable_consolidation, thread_count_consolidation
+        self.path = os.fspath(path)
+        self.fqn_to_index_mapping = fqn_to_index_mapping
+        self.max_shard_size = max_shard_size
+        self.sync_files = sync_files
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int = 0, **kwargs: Any) -> None:
+        self.rank = rank
+        if is_coordinator:
+            os.makedirs(self.path, exist_ok=True)
+            index = os.path.join(self.path, INDEX_FILE)
+            if os.path.exists(index):  # an older layout here is not complete once we start writing
+                os.remove(index)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for it in plan.items:
+            if it.type == WriteItemType.BYTE_IO:
+                raise ValueError(f"state_dict[{it.index.fqn!r}] is not a tensor: the Hugging Face layout holds "
+                                 "tensors only; save the model's state dict (or use FileSystemWriter)")
+        return plan
+
+    def _assign(self, tensors: dict[str, tuple[torch.dtype, list[int]]]) -> dict[str, int]:
+        if self.fqn_to_index_mapping is not None:
+            missing = [f for f in tensors if f not in self.fqn_to_index_mapping]
+            if missing:
+                raise ValueError(f"fqn_to_index_mapping has no file for {len(missing)} tensor(s), e.g. {missing[0]!r}")
+            return {f: self.fqn_to_index_mapping[f] for f in tensors}
+        out, k, used = {}, 1, 0
+        for fqn, (dtype, shape) in tensors.items():
+            nbytes = math.prod(shape) * dtype.itemsize
+            if self.max_shard_size is not None and used and used + nbytes > self.max_shard_size:
+                k, used = k + 1, 0
+            out[fqn], used = k, used + nbytes
+        return out
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: the files' layout, their headers written and sizes set; each plan
+        learns where its tensors' data begins."""
+        tensors: dict[str, tuple[torch.dtype, list[int]]] = {}
+        for plan in plans:
+            for it in plan.items:
+                tensors.setdefault(it.index.fqn, (it.tensor_data.properties.dtype, list(it.tensor_data.size)))
+        index_of = self._assign(tensors)
+        ks = sorted(set(index_of.values()))
+        if ks and ks != list(range(1, len(ks) + 1)):
+            raise ValueError(f"fqn_to_index_mapping uses file indices {ks}: they must be 1..N without gaps")
+        self.weight_map, place = {}, {}
+        for k in ks:
+            name = file_name(k, len(ks))
+            members = [(f, dtype, shape) for f, (dtype, shape) in tensors.items() if index_of[f] == k]
+            raw, begins = _header(members)
+            with open(os.path.join(self.path, name), "wb") as fh:
+                fh.write(raw)
+                fh.truncate(begins[members[-1][0]] + math.prod(members[-1][2]) * members[-1][1].itemsize)
+            for f, _, _ in members:
+                self.weight_map[f], place[f] = name, (name, begins[f])
+        self.total_size = sum(math.prod(s) * d.itemsize for d, s in tensors.values())
+        return [dataclasses.replace(p, storage_data={it.index.fqn: place[it.index.fqn] for it in p.items})
+                for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        results, fds = [], {}
+        try:
+            for it in plan.items:
+                name, begin = plan.storage_data[it.index.fqn]
+                td = it.tensor_data
+                data = planner.resolve_data(it).detach().to("cpu", td.properties.dtype).contiguous()
+                flat = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else None
+                fd = fds.get(name)
+                if fd is None:
+                    fd = fds[name] = os.open(os.path.join(self.path, name), os.O_WRONLY)
+                size, pos = td.properties.dtype.itemsize, 0
+                for start, n in box_runs(list(td.size), list(td.chunk.offsets), list(td.chunk.sizes)):
+                    os.pwrite(fd, flat[pos:pos + n * size], begin + start * size)
+                    pos += n * size
+                results.append(WriteResult(it.index, pos, {"file": name}))
+            if self.sync_files:
+                for fd in fds.values():
+                    os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        written: dict[str, int] = {}
+        for r in itertools.chain.from_iterable(results):
+            written[r.index.fqn] = written.get(r.index.fqn, 0) + r.size_in_bytes
+        for fqn, e in metadata.state_dict_metadata.items():
+            want = math.prod(e.size) * e.properties.dtype.itemsize
+            if written.get(fqn, 0) != want:
+                raise ValueError(f"tensor {fqn!r}: the ranks wrote {written.get(fqn, 0)} of its {want} bytes; "
+                                 "ranks hold inconsistent layouts of it")
+        body = {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}
+        tmp = os.path.join(self.path, INDEX_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=2)
+        os.replace(tmp, os.path.join(self.path, INDEX_FILE))
+
+
+def read_header(path: str) -> dict[str, tuple[torch.dtype, list[int], int]]:
+    """fqn -> (dtype, shape, absolute byte offset of its data) of one safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file: {len(raw)} bytes")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path}: its safetensors header is not valid JSON ({e}); the file is damaged") from None
+    out = {}
+    for fqn, h in header.items():
+        if fqn == "__metadata__":
+            continue
+        if h["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {fqn!r} has dtype {h['dtype']}, which plait does not read")
+        out[fqn] = (_DTYPES[h["dtype"]], list(h["shape"]), 8 + n + h["data_offsets"][0])
+    return out
+
+
+class HuggingFaceStorageReader(StorageReader):
+    """torch's HuggingFaceStorageReader: reads model-*.safetensors (+ the index, if any)."""
+
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1) -> None:
+        del thread_count  # reads are by byte range, one run at a time
+        self.path = os.fspath(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return os.path.isdir(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        index = os.path.join(self.path, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors")) if os.path.isdir(self.path) else []
+            weight_map = None
+        if not files:
+            raise ValueError(f"no Hugging Face checkpoint at {self.path}: no {INDEX_FILE} and no *.safetensors")
+        md, where = {}, {}
+        for name in files:
+            for fqn, (dtype, shape, begin) in read_header(os.path.join(self.path, name)).items():
+                if fqn in md:
+                    raise ValueError(f"tensor {fqn!r} is in both {where[MetadataIndex(fqn, [0] * len(shape))][0]} "
+                                     f"and {name} of {self.path}")
+                zeros = torch.Size([0] * len(shape))
+                md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape),
+                                                [ChunkStorageMetadata(zeros, torch.Size(shape))])
+                where[MetadataIndex(fqn, zeros)] = (name, begin)
+        if weight_map is not None and set(weight_map) != set(md):
+            extra = sorted(set(weight_map) ^ set(md))
+            raise ValueError(f"{index} and the files' headers disagree on {len(extra)} tensor(s), e.g. {extra[0]!r}")
+        return Metadata(state_dict_metadata=md, storage_data=where)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        for r in plan.items:
+            if r.type == LoadItemType.BYTE_IO:
+                raise ValueError(f"{r.dest_index.fqn!r}: a Hugging Face checkpoint holds tensors only")
+            name, begin = self.metadata.storage_data[r.storage_index]
+            entry = self.metadata.state_dict_metadata[r.storage_index.fqn]
+            dtype, size = entry.properties.dtype, entry.properties.dtype.itemsize
+            buf = torch.empty(math.prod(r.lengths) * size, dtype=torch.uint8)
+            view, pos = buf.numpy(), 0
+            with open(os.path.join(self.path, name), "rb") as f:
+                for start, n in box_runs(list(entry.size), list(r.storage_offsets), list(r.lengths)):
+                    f.seek(begin + start * size)
+                    got = f.readinto(view[pos:pos + n * size])
+                    if got != n * size:
+                        raise ValueError(f"{name} of {self.path} is truncated: tensor {r.storage_index.fqn!r} "
+                                         f"needs bytes [{begin + start * size}, {begin + (start + n) * size})")
+                    pos += n * size
+            target = planner.resolve_tensor(r).detach()
+            target.copy_(buf.view(dtype).view(r.lengths))
+            planner.commit_tensor(r, target)
+        return done(None)

@@ -1,0 +1,140 @@
+"""Hugging Face layout: FSDP world 4 <-> one process, and TP boxes, through
+HuggingFaceStorageWriter / HuggingFaceStorageReader; the files open with the `safetensors`
+package and with torch's HuggingFaceStorageReader, and the index lists every tensor once.
+Every comparison is bitwise (torch.equal): the layout moves bytes and must not change one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import plait.checkpoint as dcp
+from plait.checkpoint.hf_storage import INDEX_FILE, box_runs
+from plait.tensor import DTensor
+from plait.testing import run_distributed
+from tests.checkpoint._layouts import build, lay_out, plain
+from tests.checkpoint._states import full, laid_out, reference
+
+
+def model_ref() -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in build(seed=0).state_dict().items()}
+
+
+def open_layout(path: str) -> tuple[dict[str, str], dict[str, torch.Tensor], list[str]]:
+    """(weight_map, every tensor read by safetensors, every file's tensor names in order)."""
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        weight_map = json.load(f)["weight_map"]
+    tensors, names = {}, []
+    for name in sorted(set(weight_map.values())):
+        with safe_open(os.path.join(path, name), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                names.append(k)
+                tensors[k] = fh.get_tensor(k)
+    return weight_map, tensors, names
+
+
+def _save_fsdp(path: str, max_shard_size: int | None) -> bool:
+    model = lay_out(build(seed=0), "fsdp")
+    sd = model.state_dict()
+    assert all(isinstance(sd[n], DTensor) for n, _ in model.named_parameters())  # sharded, not gathered
+    dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(path, max_shard_size=max_shard_size))
+    return True
+
+
+def _load_fsdp(path: str) -> bool:
+    model = lay_out(build(seed=1), "fsdp")
+    sd = model.state_dict()
+    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(path))
+    ref = model_ref()
+    return all(torch.equal(plain(v), ref[k]) for k, v in sd.items())
+
+
+def test_fsdp4_saves_hf_layout_that_one_process_and_torch_read(tmp_path):
+    path = str(tmp_path / "hf")
+    assert run_distributed(_save_fsdp, path, 200, world_size=4) == [True] * 4
+    ref = model_ref()
+    weight_map, tensors, names = open_layout(path)
+    files = sorted(set(weight_map.values()))
+    assert len(files) > 1 and files == [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    assert sorted(names) == sorted(ref) and set(weight_map) == set(ref)  # every tensor once
+    assert all(torch.equal(tensors[k], v) for k, v in ref.items())
+    for k in ref:  # the size limit: a file past 200 bytes holds one tensor only
+        members = [n for n, f in weight_map.items() if f == weight_map[k]]
+        assert len(members) == 1 or sum(ref[n].numel() * ref[n].element_size() for n in members) <= 200
+    one = {k: torch.zeros_like(v) for k, v in ref.items()}
+    dcp.load(one, storage_reader=dcp.HuggingFaceStorageReader(path))
+    assert all(torch.equal(one[k], v) for k, v in ref.items())
+    import torch.distributed.checkpoint as tdcp
+
+    theirs = {k: torch.zeros_like(v) for k, v in ref.items()}
+    tdcp.load(theirs, storage_reader=tdcp.HuggingFaceStorageReader(path), no_dist=True)
+    assert all(torch.equal(theirs[k], v) for k, v in ref.items())
+
+
+def test_one_process_saves_hf_layout_that_fsdp4_reads(tmp_path):
+    path = str(tmp_path / "hf")
+    dcp.save(build(seed=0).state_dict(), storage_writer=dcp.HuggingFaceStorageWriter(path))
+    weight_map, _, _ = open_layout(path)
+    assert set(weight_map.values()) == {"model-00001-of-00001.safetensors"}  # no limit: one file
+    assert run_distributed(_load_fsdp, path, world_size=4) == [True] * 4
+
+
+def _tp_boxes(path: str) -> bool:
+    dcp.save({k: v for k, v in laid_out("S0xS1", 4).items()}, storage_writer=dcp.HuggingFaceStorageWriter(path))
+    back = laid_out("RxS0", 4, zero=True)
+    dcp.load(back, storage_reader=dcp.HuggingFaceStorageReader(path))
+    ref = reference()
+    return all(torch.equal(full(v).view(torch.uint8), ref[k].view(torch.uint8)) for k, v in back.items())
+
+
+def test_shard1_boxes_written_in_place_and_read_by_range(tmp_path):
+    """S0xS1 on a 2x2 mesh: each rank's box is a row-and-column block (one run per row)."""
+    path = str(tmp_path / "hf")
+    assert run_distributed(_tp_boxes, path, world_size=4) == [True] * 4
+    _, tensors, _ = open_layout(path)
+    for k, v in reference().items():
+        assert torch.equal(tensors[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_torch_hf_writer_output_reads_into_plait(tmp_path):
+    import torch.distributed.checkpoint as tdcp
+
+    ref = model_ref()
+    tdcp.save(ref, storage_writer=tdcp.HuggingFaceStorageWriter(str(tmp_path)), no_dist=True)
+    back = {k: torch.zeros_like(v) for k, v in ref.items()}
+    dcp.load(back, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path)))
+    assert all(torch.equal(back[k], v) for k, v in ref.items())
+
+
+def test_fqn_to_index_mapping_places_each_tensor(tmp_path):
+    ref = model_ref()
+    mapping = {k: 1 + (i % 2) for i, k in enumerate(ref)}
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path), fqn_to_index_mapping=mapping))
+    weight_map, tensors, _ = open_layout(str(tmp_path))
+    assert weight_map == {k: f"model-{i:05d}-of-00002.safetensors" for k, i in mapping.items()}
+    assert all(torch.equal(tensors[k], v) for k, v in ref.items())
+
+
+def test_non_tensor_value_refused_by_name(tmp_path):
+    with pytest.raises(dcp.CheckpointException, match="'step'.*tensors only"):
+        dcp.save({"w": torch.ones(2), "step": 3}, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path)))
+    assert not os.path.exists(tmp_path / INDEX_FILE)
+
+
+def test_box_runs_cover_exactly_the_box():
+    rng = random.Random(0)
+    for _ in range(200):
+        shape = [rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+        offsets = [rng.randint(0, s - 1) for s in shape]
+        sizes = [rng.randint(0, s - o) for s, o in zip(shape, offsets)]
+        flat = torch.arange(torch.Size(shape).numel()).view(shape)
+        box = flat[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
+        runs = list(itertools.chain.from_iterable(range(a, a + n) for a, n in box_runs(shape, offsets, sizes)))
+        assert runs == box.tolist(), (shape, offsets, sizes)
