@@ -22,6 +22,9 @@ import torch
 from plait.testing import run_distributed
 from tests.checkpoint._states import full, laid_out, reference
 
+# torch's DCP run in one process (to compare) warns that it assumes one process: torch's, expected
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+
 
 def source(name: str) -> types.SimpleNamespace:
     """The names a torch DCP extension imports, from torch's package or plait's."""

@@ -22,6 +22,9 @@ from plait.testing import run_distributed
 from tests.checkpoint._layouts import build, lay_out, plain
 from tests.checkpoint._states import full, laid_out, reference
 
+# torch's DCP run in one process (to compare) warns that it assumes one process: torch's, expected
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+
 
 def model_ref() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in build(seed=0).state_dict().items()}
