@@ -12,6 +12,10 @@
        what the rank writes
     -> load at world 2 (the other layout) from the world-4 checkpoints: MiB/s (plait
        verifies every checksum while loading; torch checks none)
+    -> Hugging Face layout at world 4, the model's parameters only: plait's
+       HuggingFaceStorageWriter (each rank writes its rows at their final offsets in the
+       model-0000k-of-0000n files) against torch's (save_distributed + enable_consolidation,
+       torch's way to the same final files from a sharded model), slowest rank's wall time
 Figures are wall time on a shared machine: read the ratios, not the absolute numbers.
 """
 
@@ -148,10 +152,21 @@ def save_world(root: str, d: int, rounds: int) -> dict:
             dist.barrier()
             extra[name].append(_peak_extra(fn))
         dist.barrier()
+    hf = {"plait": [], "torch": []}
+    model_only = {"plait": ours["model"], "torch": theirs["model"]}
+    for k in range(rounds + 1):
+        order = [("plait", lambda: dcp.save(model_only["plait"],
+                                            storage_writer=dcp.HuggingFaceStorageWriter(p_path + "_hf"))),
+                 ("torch", lambda: torch_dcp.save(model_only["torch"], storage_writer=torch_dcp.HuggingFaceStorageWriter(
+                     t_path + "_hf", save_distributed=True, enable_consolidation=True)))]
+        for name, fn in order if k % 2 == 0 else order[::-1]:
+            t = _slowest(fn)
+            if k:
+                hf[name].append(t)
     written = sum(sum(c.nbytes for c in t.chunks if c.file.startswith(f"__{rank}_"))
                   for t in dcp.FileSystemReader(p_path).read_metadata().tensors.values())
     dist.barrier()
-    return {"save": saves, "blocked": blocked, "extra": extra, "staged": written}
+    return {"save": saves, "blocked": blocked, "extra": extra, "staged": written, "hf": hf}
 
 
 def load_world(root: str, d: int, rounds: int) -> dict:
@@ -191,6 +206,8 @@ def run(quick: bool) -> None:
     for what, times in (("save, world 4", s0["save"]), ("load, world 4 -> 2", r["load"])):
         p, t = median(times["plait"]), median(times["torch"])
         rows.append([what, f"{mib / p:.0f}", f"{mib / t:.0f}", f"{(mib / p) / (mib / t):.2f}"])
+    p, t = median(s0["hf"]["plait"]), median(s0["hf"]["torch"])
+    rows.append(["HF layout save (params), world 4", f"{mib / 3 / p:.0f}", f"{mib / 3 / t:.0f}", f"{t / p:.2f}"])
     bp = max(median(x["blocked"]["plait"]) for x in s)
     bt = max(median(x["blocked"]["torch"]) for x in s)
     rows.append(["async_save blocked (ms, slowest rank)", f"{bp * 1e3:.0f}", f"{bt * 1e3:.0f}", f"{bp / bt:.2f}"])
