@@ -70,8 +70,12 @@ def test_every_name_is_plaits_own_under_the_rule(module):
 
 
 def test_the_tool_agrees_where_it_is_present():
-    if not TOOL.exists():
-        pytest.skip(f"{TOOL} is not beside this checkout (a clean clone in CI); the list above is checked")
-    out = subprocess.run([sys.executable, str(TOOL), "-q"], capture_output=True, text=True, timeout=120)
+    """Beside a session's checkout the tool runs and must report what this list does; a clean
+    clone in CI has no shared folder, and there the list itself is what is checked (all of it:
+    155 names, none dropped from the copy)."""
     total = sum(len(v.split()) for v in SURFACE.values())
+    assert total == 155, f"the copy of api-surface's list holds {total} names, not 155"
+    if not TOOL.exists():
+        return
+    out = subprocess.run([sys.executable, str(TOOL), "-q"], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == f"api-surface: {total - len(PENDING)}/{total} names", out.stdout + out.stderr
