@@ -10,7 +10,8 @@
     the last bucket's hook waits for every broadcast: parameters are final when backward returns
 
 The first two backward passes do not step (zero_overlap.py): the first runs on DDP's provisional
-buckets, the second records the final ones, and the third's bucket 0 builds the partition.
+buckets, the second records the final ones, and the third's bucket 0 builds the partition. Under
+static_graph=True the first three do not, as in torch (whose DDP rebuilds a static graph later).
 
 Differences from torch, both extensions: torch refuses Gloo ("may meet hangs"); plait runs on it,
 because every collective is issued from the autograd thread in an order that depends on nothing
@@ -57,6 +58,14 @@ def _check(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_bu
     zero._overlap.shard_buckets = shard_buckets
 
 
+def _buckets_final(ddp_ref: weakref.ReferenceType) -> bool:
+    """Whether DDP's buckets no longer change. torch's DDP rebuilds them after the first
+    iteration, or the second under static_graph; plait's after the first in both cases, so
+    under static_graph one more iteration waits, for torch's count of iterations without a step."""
+    reducer = ddp_ref().reducer
+    return reducer.has_rebuilt and (not reducer.static_graph or reducer.num_iterations >= 2)
+
+
 def _step_and_broadcast(zero: ZeroRedundancyOptimizer, k: int, futures: dict[int, torch.futures.Future]) -> None:
     """Bucket k's owner steps its slice from the reduced gradients; every rank broadcasts it."""
     overlap = zero._overlap
@@ -86,7 +95,7 @@ def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedu
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future:
         fut = hook(state, bucket)
-        if not zero._overlap.setup(bucket, ddp_ref().reducer.has_rebuilt):
+        if not zero._overlap.setup(bucket, _buckets_final(ddp_ref)):
             return fut
         k = _seen(zero, bucket)
         futures[k] = fut
@@ -111,7 +120,7 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: DistributedDataParallel, ze
 
     def hook_with_zero_interleaved_fn(state: Any, bucket: GradBucket) -> torch.futures.Future:
         fut = hook(state, bucket)
-        if not zero._overlap.setup(bucket, ddp_ref().reducer.has_rebuilt):
+        if not zero._overlap.setup(bucket, _buckets_final(ddp_ref)):
             return fut
         k = _seen(zero, bucket)
         futures[k] = fut
