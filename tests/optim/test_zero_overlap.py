@@ -230,7 +230,7 @@ def test_static_graph_bucket_view_grads_compressed_hook_and_a_scheduler():
 # -- where the collectives go -------------------------------------------------------------
 
 
-@distributed([2])
+@distributed([2, 3])
 @pytest.mark.parametrize("kind", list(HOOKS))
 def test_broadcasts_happen_inside_backward_in_bucket_order(kind):
     """Warm-up backwards all-reduce only; then each backward also broadcasts every bucket (one
@@ -251,6 +251,9 @@ def test_broadcasts_happen_inside_backward_in_bucket_order(kind):
             assert ops == ["all_reduce"] * buckets + ["broadcast"] * buckets, ops
         else:
             assert ops == ["all_reduce"] + ["all_reduce", "broadcast"] * (buckets - 1) + ["broadcast"], ops
+        if step >= WARMUP:  # bucket k's slice from its owner, k % n, the whole bucket's numel
+            casts = [(e.peer, e.input_shapes[0]) for e in mode.events if e.op == "broadcast"]
+            assert casts == [(k % n, (b.buffer.numel(),)) for k, b in enumerate(ddp.reducer.buckets)], casts
         with CommDebugMode() as mode:
             assert zero.step() is None
         assert mode.get_total_counts() == 0
