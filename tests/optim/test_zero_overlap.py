@@ -227,6 +227,42 @@ def test_static_graph_bucket_view_grads_compressed_hook_and_a_scheduler():
     assert (zero.param_groups[0]["lr"], zero.optim.param_groups[0]["lr"]) == (0.1 * 0.5**STEPS, 0.1 * 0.5**(STEPS - 1))
 
 
+@distributed([2, 3])
+def test_load_state_dict_reaches_every_bucket_step():
+    """A state loaded after the partition exists is what the per-bucket steps use: both ZeROs
+    load the same edited state (momentum halved) and must go on alike (exact, see the top)."""
+    g, rank, n = world()
+    ours, ref = build("mlp", seed=0), build("mlp", seed=0)
+    ddp, zero = overlapped(ours, "interleaved")
+    ref_ddp = DistributedDataParallel(ref, bucket_cap_mb=CAP_MB)
+    ref_ddp.register_comm_hook(None, allreduce_hook)
+    ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), torch.optim.AdamW, **ADAMW)
+
+    def train(steps):
+        for step in steps:
+            forward_backward(ddp, step, rank, n)
+            zero.zero_grad()
+            forward_backward(ref_ddp, step, rank, n)
+            if step >= WARMUP:
+                ref_zero.step()
+            ref_zero.zero_grad()
+
+    train(range(WARMUP + 2))
+    ref_zero.consolidate_state_dict(to=0)
+    state = [ref_zero.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(state, src=0, group=g)
+    for entry in state[0]["state"].values():
+        entry["exp_avg"].mul_(0.5)
+    zero.load_state_dict(state[0])
+    ref_zero.load_state_dict(state[0])
+    train(range(WARMUP + 2, STEPS))
+    assert_params_close(ours, ref, **EXACT, what="after load_state_dict")
+    zero.consolidate_state_dict(to=0)
+    ref_zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.testing.assert_close(zero.state_dict()["state"], ref_zero.state_dict()["state"], **EXACT)
+
+
 # -- where the collectives go -------------------------------------------------------------
 
 
