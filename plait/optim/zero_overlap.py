@@ -3,6 +3,7 @@ per bucket inside DDP's backward, driven by plait.ddp.comm_hooks.ddp_zero_hook.
 
     backward 1        DDP's buckets are provisional (rebuilt at forward 2): UNINITIALIZED, no step
     backward 2        buckets final: RECORDING, each bucket's parameters are recorded, no step
+    (static_graph=True: one backward later, as torch, see ddp_zero_hook._buckets_final)
     backward 3 ...    bucket 0's hook builds the partition (INITIALIZED), then per bucket:
                       all-reduce done -> the owner steps the bucket's parameters from the reduced
                       gradients -> every rank broadcasts each owner's flat slice of the bucket
