@@ -12,6 +12,10 @@ state. The partition is a pure function of the groups' sizes, so the ranks agree
 talking, and adding a group appends to it without moving the parameters already placed.
 Under Join, a joined rank keeps stepping its partition with the gradients it holds (none after
 zero_grad(), so its partition stands still, as in torch) and broadcasting it.
+
+overlap_with_ddp=True: no step() of the user's; the partition is DDP's buckets and the step runs
+per bucket inside DDP's backward, from the comm hook of plait.ddp.comm_hooks.ddp_zero_hook
+(zero_overlap.py). Until its third backward builds the partition, no local optimizer exists.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.optim import Optimizer
 
 from plait import comm
 from plait.ddp.join import Join, Joinable, JoinHook
+from plait.optim.zero_overlap import OVERLAP_OPTIMIZERS, OverlapStatus, ZeroOverlap
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +59,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ddp = DistributedDataParallel(model)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         loss_fn(ddp(x), y).backward(); opt.step(); opt.zero_grad()
+
+    With `overlap_with_ddp=True` the step runs inside backward (the first two iterations do not
+    step: DDP's buckets are not final yet) and step() only warns, as in torch:
+
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-3)
+        ddp.register_comm_hook(None, ddp_zero_hook.hook_with_zero_step(allreduce_hook, ddp, opt))
+        loss_fn(ddp(x), y).backward(); opt.zero_grad()
     """
 
     def __init__(self, params: Any, optimizer_class: type[Optimizer], process_group: ProcessGroup | None = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any) -> None:
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "overlap_with_ddp=True needs the DDP comm hook hook_with_zero_step (torch's "
-                "ddp_comm_hooks.ddp_zero_hook), which plait does not provide; pass overlap_with_ddp=False "
-                "and call step() after backward: the same update, without the overlap")
         groups = self._init_params(params)
         self.initialized = False  # Optimizer.__init__ calls our add_param_group: partition later
         Optimizer.__init__(self, groups, defaults)
@@ -75,11 +82,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._partition_parameters_cache: list[list[dict]] = []
         self._param_to_rank_cache: dict[torch.Tensor, int] = {}
         self._is_trainable_mask = self._trainable_mask()
-        self.optim: Optimizer = optimizer_class(self._partition_parameters()[self.rank], **defaults)
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)  # the local defaults show outside
+        self._overlap_with_ddp = overlap_with_ddp
+        self._overlap: ZeroOverlap | None = None
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._buckets: list[list[torch.Tensor]] = []  # [device][rank] -> flat bucket
-        self._build_param_buckets()
+        if overlap_with_ddp:  # the local optimizer waits for DDP's final buckets (zero_overlap.py)
+            self._check_overlap_args(optimizer_class, parameters_as_bucket_view)
+            self._overlap = ZeroOverlap(self, optimizer_class, defaults)
+        else:
+            self.optim: Optimizer = optimizer_class(self._partition_parameters()[self.rank], **defaults)
+            self._sync_param_groups(self.optim.param_groups, self.param_groups)  # the local defaults show outside
+            self._build_param_buckets()
         self._all_state_dicts: list[dict[str, Any]] = []  # filled on the rank consolidated to
         self.initialized = True
 
@@ -109,6 +122,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if len(types) > 1 or self._all_params[0].is_sparse:
             raise ValueError(f"ZeroRedundancyOptimizer needs every parameter of one dense type, got {types}")
         return items
+
+    def _check_overlap_args(self, optimizer_class: type[Optimizer], parameters_as_bucket_view: bool) -> None:
+        if optimizer_class not in OVERLAP_OPTIMIZERS:
+            names = ", ".join(c.__name__ for c in OVERLAP_OPTIMIZERS)
+            raise ValueError(f"overlap_with_ddp=True steps each DDP bucket on its own, which needs an optimizer "
+                             f"that updates each parameter independently; {optimizer_class.__name__} is not one "
+                             f"of torch's functional optimizers ({names}): pass one, or overlap_with_ddp=False")
+        if len(self.param_groups) != 1:
+            raise ValueError(f"overlap_with_ddp=True supports one parameter group (the partition is DDP's "
+                             f"buckets), got {len(self.param_groups)}; pass overlap_with_ddp=False")
+        if parameters_as_bucket_view:  # torch's warning: DDP's buckets are the flat tensors instead
+            logger.warning("ZeroRedundancyOptimizer: parameters_as_bucket_view=True is ignored with "
+                           "overlap_with_ddp=True; each owner's slice of a DDP bucket is one flat tensor instead")
+
+    def _check_overlap_initialized(self) -> None:
+        if self._overlap is not None and self._overlap.status is not OverlapStatus.INITIALIZED:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer with overlap_with_ddp=True has no local optimizer until the DDP comm "
+                "hook builds it, in the third backward (the first two find DDP's final buckets); call this after")
 
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._all_params]
@@ -154,6 +186,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (collective in effect: step() broadcasts by partition)."""
+        if self.initialized and self._overlap is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports one parameter "
+                               "group (the partition is DDP's buckets); add_param_group is not supported")
         super().add_param_group(param_group)
         if not self.initialized:
             return
@@ -197,7 +232,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's partition with the local optimizer, then broadcast every partition
-        from its owner. Extra keywords go to the local optimizer's step."""
+        from its owner. Extra keywords go to the local optimizer's step. With overlap_with_ddp=True
+        the step ran in backward: warn and return None, as torch."""
+        if self._overlap is not None:
+            if not self._overlap.hooked:
+                raise RuntimeError(
+                    "ZeroRedundancyOptimizer was built with overlap_with_ddp=True, but no DDP comm hook drives it, "
+                    "so it never steps: ddp.register_comm_hook(None, ddp_zero_hook.hook_with_zero_step("
+                    "allreduce_hook, ddp, zero)), or construct it with overlap_with_ddp=False")
+            logger.warning("ZeroRedundancyOptimizer: step() should not be in the training loop with "
+                           "overlap_with_ddp=True (the DDP comm hook steps in backward); it does nothing")
+            return None
         notice = Join.notify_join_context(self)
         loss = self._step_and_sync(closure, **kwargs)
         if notice is not None:
@@ -240,6 +285,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         `state_dict()` on `to` then returns the whole state."""
         if not 0 <= to < self.world_size:
             raise ValueError(f"to={to} is not a rank of the group (size {self.world_size})")
+        self._check_overlap_initialized()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         mine = self.optim.state_dict()
         self._all_state_dicts = []
@@ -255,6 +301,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def state_dict(self) -> dict[str, Any]:
         """The global state, as the wrapped optimizer's state_dict over all parameters would be;
         as of the last consolidate_state_dict to this rank."""
+        self._check_overlap_initialized()
         if not self._all_state_dicts:
             raise RuntimeError(f"the optimizer state has not been consolidated on rank {self.rank}: call "
                                f"consolidate_state_dict(to={self.rank}) on every rank first")
@@ -272,6 +319,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a global state (from state_dict()) on every rank: each keeps its partition's part."""
+        self._check_overlap_initialized()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, this optimizer "
@@ -297,6 +345,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """A joined rank keeps stepping and broadcasting its partition (no keyword arguments)."""
+        if self._overlap is not None:  # torch cannot either: its join hook's broadcasts assert
+            raise RuntimeError("ZeroRedundancyOptimizer with overlap_with_ddp=True cannot join: its step runs "
+                               "inside DDP's backward, not in step(); pass overlap_with_ddp=False to use Join")
         return _ZeROJoinHook(self)
 
     @property
