@@ -241,3 +241,27 @@ def test_errors_name_the_numbers(world_size):
             pass
     # outside the block SDPA is torch's own again
     torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q), torch.softmax(q @ q.mT / 8 ** 0.5, -1) @ q)
+
+
+@distributed([4])
+def test_dtensor_heads_sharded_over_tp_run_on_their_local_heads(world_size):
+    """cp 2 x tp 2: q, k, v are DTensors with heads Shard(1) on mesh["tp"] (TP's local heads);
+    the ring runs on each rank's heads and sequence chunks and hands back a DTensor."""
+    from plait.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    q, k, v, dout = full_inputs(2, torch.float32, seed=11)
+    expected = reference(q, k, v, dout, True)
+    tp, heads = mesh.get_local_rank("tp"), slice(mesh.get_local_rank("tp") * 2, mesh.get_local_rank("tp") * 2 + 2)
+    kv_heads = slice(tp, tp + 1)
+    shards = [t.clone() for t in (q, k, v, dout)]
+    with context_parallel(mesh["cp"], buffers=shards, buffer_seq_dims=[2] * 4, no_restore_buffers=set(shards)):
+        leaves = [t[:, h].clone().requires_grad_() for t, h in zip(shards[:3], (heads, kv_heads, kv_heads))]
+        dts = [DTensor.from_local(t, mesh["tp"], [Shard(1)]) for t in leaves]
+        out = F.scaled_dot_product_attention(*dts, is_causal=True, enable_gqa=True)
+        assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+        out.to_local().backward(shards[3][:, heads])
+    pos = local_positions(mesh.get_local_rank("cp"), 2, S)
+    for g, e, h in zip((out.to_local().detach(), *(t.grad for t in leaves)), expected,
+                       (heads, heads, kv_heads, kv_heads)):
+        torch.testing.assert_close(g, e.index_select(2, pos)[:, h], **TOL[torch.float32])

@@ -19,7 +19,9 @@ from tests.train.test_parity import check
 @pytest.mark.parametrize(("world", "layout"), [
     (2, ["--parallel.cp", "2", "--parallel.dp_shard", "1"]),
     (4, ["--parallel.cp", "2", "--parallel.dp_shard", "2"]),
-], ids=["cp2", "cp2_x_dp_shard2"])
+    (4, ["--parallel.cp", "4", "--parallel.dp_shard", "1"]),
+    (8, ["--parallel.cp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),  # + SP, loss parallel
+], ids=["cp2", "cp2_x_dp_shard2", "cp4", "cp2_x_dp_shard2_x_tp2"])
 def test_context_parallel_train_matches_one_process(world, layout):
     check(world, layout)
 
