@@ -265,3 +265,31 @@ def test_dtensor_heads_sharded_over_tp_run_on_their_local_heads(world_size):
     for g, e, h in zip((out.to_local().detach(), *(t.grad for t in leaves)), expected,
                        (heads, heads, kv_heads, kv_heads)):
         torch.testing.assert_close(g, e.index_select(2, pos)[:, h], **TOL[torch.float32])
+
+
+@distributed([2])
+@pytest.mark.parametrize("door", ["imported_by_name", "checkpoint_recompute"])
+def test_every_door_to_sdpa_leads_to_the_ring(world_size, door):
+    """`from torch.nn.functional import scaled_dot_product_attention` (bound before the block:
+    the function mode catches it), and a block recomputed in backward by activation
+    checkpointing (no function mode is active there: F's patched name catches it)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa_by_name
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = cp_mesh(world_size)
+    q, k, v, dout = full_inputs(2, torch.float32, seed=5)
+    expected = reference(q, k, v, dout, True)
+    shards = [t.clone() for t in (q, k, v, dout)]
+    with context_parallel(mesh, buffers=shards, buffer_seq_dims=[2] * 4, no_restore_buffers=set(shards)):
+        leaves = [t.clone().requires_grad_() for t in shards[:3]]
+        if door == "imported_by_name":
+            out = sdpa_by_name(*leaves, is_causal=True, enable_gqa=True)
+        else:
+            def attend(*qkv):
+                return F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
+            out = checkpoint(attend, *leaves, use_reentrant=False)
+        out.backward(shards[3])
+    pos = local_positions(mesh.get_local_rank(), world_size, S)
+    for g, e in zip((out.detach(), *(t.grad for t in leaves)), expected):
+        torch.testing.assert_close(g, e.index_select(2, pos), **TOL[torch.float32])
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # unpatched on exit

@@ -24,10 +24,11 @@ from tests.train.test_parity import TOL, check, reference
 
 @pytest.mark.parametrize(("world", "layout"), [
     (2, ["--parallel.cp", "2", "--parallel.dp_shard", "1"]),
+    (2, ["--parallel.cp", "2", "--parallel.dp_shard", "1", "--activation_checkpoint.mode", "full"]),
     (4, ["--parallel.cp", "2", "--parallel.dp_shard", "2"]),
     (4, ["--parallel.cp", "4", "--parallel.dp_shard", "1"]),
     (8, ["--parallel.cp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),  # + SP, loss parallel
-], ids=["cp2", "cp2_x_dp_shard2", "cp4", "cp2_x_dp_shard2_x_tp2"])
+], ids=["cp2", "cp2_ac", "cp2_x_dp_shard2", "cp4", "cp2_x_dp_shard2_x_tp2"])
 def test_context_parallel_train_matches_one_process(world, layout):
     check(world, layout)
 

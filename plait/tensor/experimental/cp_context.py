@@ -12,9 +12,11 @@ positions its rank holds, `ring_plan.local_positions`: chunks r and 2*cp-1-r of 
 load balanced (the default, torch's head-tail balancer), chunk r of cp otherwise. Inside the
 block a TorchFunctionMode turns each `F.scaled_dot_product_attention(q, k, v, is_causal=...)`
 into `ring_attention` on the mesh's group; a function mode sees the call however the model
-imported it, and composes with autograd (the ring is an autograd.Function) and with DTensor
-(a DTensor input sharded on batch or heads, TP's local heads, runs on its local piece and is
-wrapped back with its placements). On exit every buffer not in `no_restore_buffers` gets
+imported it, and F's name itself is patched too (as torch does) for the recomputation that
+activation checkpointing runs in backward, outside any function mode. It composes with
+autograd (the ring is an autograd.Function) and with DTensor (a DTensor input sharded on
+batch or heads, TP's local heads, runs on its local piece and is wrapped back with its
+placements). On exit every buffer not in `no_restore_buffers` gets
 its original contents back. `set_rotate_method` picks the K/V rotation for later calls.
 """
 
@@ -111,7 +113,7 @@ def context_parallel(
             b.resize_(shard.shape)
             b.copy_(shard)
     try:
-        with _RingAttentionMode(group, load_balance):
+        with _ring_sdpa(group, load_balance):
             yield
     finally:
         with torch.no_grad():
@@ -144,17 +146,16 @@ def _sdpa_args(args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-class _RingAttentionMode(TorchFunctionMode):
-    """F.scaled_dot_product_attention -> ring_attention on `group`; everything else untouched."""
+_NATIVE_SDPA = torch._C._nn.scaled_dot_product_attention  # what F's name is outside any block
+
+
+class _RingSDPA:
+    """F.scaled_dot_product_attention's signature and checks, computed by ring_attention on `group`."""
 
     def __init__(self, group, load_balance: bool) -> None:
-        super().__init__()
         self.group, self.load_balance = group, load_balance
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
         a = _sdpa_args(args, kwargs)
         if a["attn_mask"] is not None:
             raise ValueError(f"context parallel SDPA supports is_causal=True or no mask, got an attn_mask of "
@@ -170,6 +171,34 @@ class _RingAttentionMode(TorchFunctionMode):
                                   scale=a["scale"], load_balance=self.load_balance,
                                   rotate_method=_cp_options.rotate_method)
         return rewrap(out)
+
+
+class _RingAttentionMode(TorchFunctionMode):
+    """SDPA however it was imported (`from torch.nn.functional import ...` too) -> the ring."""
+
+    def __init__(self, sdpa: _RingSDPA) -> None:
+        super().__init__()
+        self.sdpa = sdpa
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _NATIVE_SDPA:
+            return self.sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _ring_sdpa(group, load_balance: bool) -> Iterator[None]:
+    """Both doors to SDPA lead to the ring inside the block: the function mode, and F's name
+    itself (torch's monkey patch), because a block that activation checkpointing recomputes
+    in backward runs outside any torch function mode but still looks F's name up."""
+    sdpa = _RingSDPA(group, load_balance)
+    saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = sdpa
+    try:
+        with _RingAttentionMode(sdpa):
+            yield
+    finally:
+        F.scaled_dot_product_attention = saved
 
 
 def _locals(q, k, v):
