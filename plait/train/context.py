@@ -1,10 +1,11 @@
-"""One forward/backward under context parallel: each cp rank holds 2 of 2*cp sequence chunks.
+"""One step's batch under context parallel: each cp rank holds 2 of 2*cp sequence chunks.
 
-    batch slice (b, s+1) -> x, y (b, s) and the rotary rows (s, hd/2, 2)
-    -> context_parallel(mesh.cp, buffers=[x, y, rope]): each sharded to this rank's chunks
-       i and 2*cp-1-i (so the rotary rows are the positions of its tokens)
-    -> model(x): every SDPA is exact ring attention over cp -> local mean loss -> backward
-       (inside the block: a recomputed block under activation checkpointing meets the ring too)
+    batch slice (b, s+1) -> x, y (b, s) and each stage module's rotary rows (s, hd/2, 2)
+    -> context_parallel(mesh.cp, buffers=[x, y, rope...]): each sharded to this rank's chunks
+       i and 2*cp-1-i (so a module's rotary rows are the positions of its tokens)
+    -> inside the block: forward (every SDPA is exact ring attention over cp), local mean
+       loss, backward (a block recomputed by activation checkpointing meets the ring too);
+       with pp > 1 the schedule runs there, sending (b, s/cp, dim) activations between stages
 
 Every cp rank holds the same number of tokens, so the mean of the cp ranks' local losses is
 the batch slice's loss, and FSDP's gradient average over the flattened (dp_shard, cp) axis is
@@ -13,24 +14,28 @@ the gradient of that mean: the ring's backward already carried each rank's dK/dV
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+
 import torch
 
 from plait.tensor.experimental import context_parallel
 
 
-def cp_forward_backward(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, mesh, loss_fn,
-                        train: bool) -> torch.Tensor:
-    """The local mean loss of this cp rank's chunks of (x, y); backward when `train`."""
-    rope = module.rope_cache  # (max_seq_len, hd/2, 2): the model reads rows [:s] of it
-    table = rope[: x.size(1)].clone()
+@contextlib.contextmanager
+def cp_batch(modules: Sequence[torch.nn.Module], x: torch.Tensor, y: torch.Tensor, *,
+             mesh) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Inside: (x, y) cut to this cp rank's chunks, each module's rope_cache to their rows, SDPA a ring."""
+    ropes = [m.rope_cache for m in modules]  # (max_seq_len, hd/2, 2): the model reads rows [:s]
+    tables = [r[: x.size(1)].clone() for r in ropes]
     x, y = x.contiguous().clone(), y.contiguous().clone()
-    module.rope_cache = table  # sharded with the tokens below: row j is local token j's position
+    for m, table in zip(modules, tables):
+        m.rope_cache = table  # sharded with the tokens below: row j is local token j's position
+    buffers = [x, y, *tables]
     try:
-        with context_parallel(mesh, buffers=[x, y, table], buffer_seq_dims=[1, 1, 0],
-                              no_restore_buffers={x, y, table}):
-            loss = loss_fn(module(x), y)
-            if train:
-                loss.backward()
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1] + [0] * len(tables),
+                              no_restore_buffers=set(buffers)):
+            yield x, y
     finally:
-        module.rope_cache = rope
-    return loss
+        for m, rope in zip(modules, ropes):
+            m.rope_cache = rope

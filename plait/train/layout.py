@@ -92,9 +92,6 @@ def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size:
     if cp > 1 and training.seq_len % (2 * cp):
         raise ValueError(f"seq_len({training.seq_len}) is not divisible by 2 * cp({cp}) = {2 * cp}: context "
                          "parallel gives each cp rank 2 of 2*cp equal chunks (load-balanced causal attention)")
-    if cp > 1 and pp > 1:
-        raise ValueError(f"cp({cp}) with pp({pp}): plait.train does not run context parallel inside pipeline "
-                         "stages yet; use cp with dp_shard / tp")
     if cp > 1 and tp > 1 and parallel.sequence_parallel and (training.seq_len // cp) % tp:
         raise ValueError(f"seq_len({training.seq_len}) / cp({cp}) = {training.seq_len // cp} is not divisible by "
                          f"tp({tp}) (sequence parallel shards each cp rank's sequence)")

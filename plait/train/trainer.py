@@ -133,13 +133,18 @@ def _losses_of(parts: PipelineParts, out: object) -> torch.Tensor:
 
 def _forward_backward(parts: PipelineParts, batch: torch.Tensor, *, train: bool,
                       cp_mesh: object | None = None) -> torch.Tensor | None:
-    """Run one (local) batch; returns its mean loss on a rank that computes it, else None."""
+    """Run one (local) batch; returns its mean loss on a rank that computes it, else None.
+    With `cp_mesh`, inside context_parallel on this rank's sequence chunks (plait.train.context)."""
     x, y = batch[:, :-1], batch[:, 1:]
-    if cp_mesh is not None:  # this rank's sequence chunks only (layout: cp excludes pp)
-        from plait.train.context import cp_forward_backward
+    if cp_mesh is None:
+        return _run_batch(parts, x, y, train=train)
+    from plait.train.context import cp_batch
 
-        (module,) = parts.modules
-        return _losses_of(parts, cp_forward_backward(module, x, y, mesh=cp_mesh, loss_fn=lm_loss, train=train))
+    with cp_batch(parts.modules, x, y, mesh=cp_mesh) as (x_local, y_local):
+        return _run_batch(parts, x_local, y_local, train=train)
+
+
+def _run_batch(parts: PipelineParts, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> torch.Tensor | None:
     if parts.schedule is None:
         (module,) = parts.modules
         loss = lm_loss(module(x), y)

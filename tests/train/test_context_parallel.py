@@ -28,7 +28,8 @@ from tests.train.test_parity import TOL, check, reference
     (4, ["--parallel.cp", "2", "--parallel.dp_shard", "2"]),
     (4, ["--parallel.cp", "4", "--parallel.dp_shard", "1"]),
     (8, ["--parallel.cp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),  # + SP, loss parallel
-], ids=["cp2", "cp2_ac", "cp2_x_dp_shard2", "cp4", "cp2_x_dp_shard2_x_tp2"])
+    (4, ["--parallel.cp", "2", "--parallel.pp", "2", "--parallel.dp_shard", "1"]),  # 1F1B on s/cp activations
+], ids=["cp2", "cp2_ac", "cp2_x_dp_shard2", "cp4", "cp2_x_dp_shard2_x_tp2", "cp2_x_pp2"])
 def test_context_parallel_train_matches_one_process(world, layout):
     check(world, layout)
 
@@ -67,7 +68,6 @@ def _layout() -> dict:
 
 @pytest.mark.parametrize(("world", "overrides", "match"), [
     (2, ["--parallel.cp", "2", "--training.seq_len", "30"], r"seq_len\(30\) is not divisible by 2 \* cp\(2\) = 4"),
-    (4, ["--parallel.cp", "2", "--parallel.pp", "2", "--parallel.dp_shard", "1"], r"cp\(2\) with pp\(2\)"),
     (4, ["--parallel.cp", "3"], r"dp_shard\(\?\) \* cp\(3\): the other dims multiply to 3, which does not divide"),
     (8, ["--parallel.cp", "2", "--parallel.tp", "4", "--training.seq_len", "20"],
      r"seq_len\(20\) / cp\(2\) = 10 is not divisible by tp\(4\)"),
@@ -78,3 +78,13 @@ def test_cp_layout_errors_name_the_numbers(world, overrides, match):
 
     with pytest.raises(ValueError, match=match):
         check_config(apply_overrides(load("tiny"), overrides), world)
+
+
+def test_print_config_shows_cp(monkeypatch, capsys):
+    from plait.train.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--config", "tiny", "--parallel.cp", "2", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# dp_replicate(1) x dp_shard(2) x cp(2) x tp(1) x pp(1) = 4 ranks")
+    assert "\ncp = 2\n" in printed
