@@ -293,3 +293,32 @@ def test_every_door_to_sdpa_leads_to_the_ring(world_size, door):
     for g, e in zip((out.detach(), *(t.grad for t in leaves)), expected):
         torch.testing.assert_close(g, e.index_select(2, pos), **TOL[torch.float32])
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # unpatched on exit
+
+
+@distributed([3])
+def test_p2p_ring_posts_the_next_transfer_before_computing_the_current_block(world_size):
+    """Overlap, as an order of events: in forward each step's send/recv is issued before that
+    step's blocks, and the last step (nothing left to fetch) issues none."""
+    mesh = cp_mesh(world_size)
+    log = []
+
+    class Recorder(CommDebugMode):
+        def on_start(self, event):
+            super().on_start(event)
+            log.append(event.op)
+
+    kernel = ring._block_forward
+
+    def block(*args, **kwargs):
+        log.append("block")
+        return kernel(*args, **kwargs)
+
+    q, k, v, _ = (t.clone() for t in full_inputs(HQ, torch.float32))
+    ring._block_forward = block
+    try:
+        with options("alltoall"), context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2] * 3):
+            with Recorder():
+                F.scaled_dot_product_attention(q, k, v, is_causal=False)
+    finally:
+        ring._block_forward = kernel
+    assert log == ["send", "recv", "block"] * (world_size - 1) + ["block"]

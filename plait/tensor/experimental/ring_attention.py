@@ -43,6 +43,10 @@ def _scores(q: torch.Tensor, k: torch.Tensor, block: Block, scale: float) -> tor
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention: (out (B,Hkv,G,sq,D), lse (B,Hkv,G,sq)), fp32 inputs."""
+    # TODO(speed, memory): plain matmuls run on every device and take any diagonal offset, but
+    # hold the block's (sq, sk) fp32 scores for a moment; a fused kernel that returns the lse
+    # (aten._scaled_dot_product_flash_attention on CUDA, ..._for_cpu here) would not, for
+    # blocks whose mask it can express (none, or the top-left causal diagonal).
     s = _scores(q, k, block, scale)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
