@@ -21,7 +21,6 @@ SURFACE = {
     "torch.distributed.tensor.placement_types": "Placement Shard Replicate Partial",
     "torch.distributed.tensor.parallel": "parallelize_module ColwiseParallel RowwiseParallel SequenceParallel PrepareModuleInput PrepareModuleOutput PrepareModuleInputOutput loss_parallel",
     "torch.distributed.tensor.experimental": "context_parallel implicit_replication local_map register_sharding",
-    "torch.distributed.tensor.experimental._attention": "context_parallel context_parallel_unshard set_rotate_method",
     "torch.distributed.tensor.debug": "CommDebugMode visualize_sharding",
     "torch.distributed.fsdp": "fully_shard FSDPModule UnshardHandle MixedPrecisionPolicy OffloadPolicy CPUOffloadPolicy register_fsdp_forward_method FullyShardedDataParallel ShardingStrategy BackwardPrefetch CPUOffload MixedPrecision StateDictType StateDictConfig FullStateDictConfig ShardedStateDictConfig LocalStateDictConfig OptimStateDictConfig FullOptimStateDictConfig ShardedOptimStateDictConfig LocalOptimStateDictConfig StateDictSettings OptimStateKeyType",
     "torch.distributed.fsdp.wrap": "ModuleWrapPolicy CustomPolicy always_wrap_policy lambda_auto_wrap_policy size_based_auto_wrap_policy transformer_auto_wrap_policy enable_wrap wrap",
