@@ -44,8 +44,7 @@ SURFACE = {
     "torch.distributed.elastic.multiprocessing.errors": "record ChildFailedError ProcessFailure",
     "torch.nn.parallel": "DistributedDataParallel",
 }
-PENDING = {  # name -> the issue that brings it
-    "torch.distributed.tensor.experimental.context_parallel": "context parallel (issue 25)",
+PENDING: dict[str, str] = {  # name -> the issue that brings it
 }
 TOOL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "api-surface"
 

@@ -62,6 +62,7 @@ class Parallel:
     dp_shard: int = -1  # -1: the rest of the world
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: the sequence sharded over cp ranks, attention as a ring
     pp_schedule: str = "1F1B"  # a plait.pipelining schedule name, or a path to a CSV
     microbatches: int = 0  # 0: as many as pipeline stages
     virtual_stages: int = 1  # stages per pipeline rank (2 for interleaved and V schedules)

@@ -3,18 +3,23 @@ the one named N-D mesh.
 
     Parallel section + world_size + ModelArgs --resolve()--> ParallelDims (every check here,
         pure: no process group, no tensor) --build_meshes()--> TrainMeshes
-    world mesh ("pp", "dp_replicate", "dp_shard", "tp"), every axis present (size 1 allowed)
+    world mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"), every axis present (size 1 allowed)
       pp        the pipeline axis; stage s on pp rank given by the schedule
       dp        dp_replicate * dp_shard, flattened: the data-parallel ranks (each its own batch slice)
+      cp        context parallel: the ranks of one batch slice, each holding 2 of 2*cp sequence
+                chunks (plait.tensor.experimental.context_parallel; attention is a ring over it)
       fsdp      what fully_shard takes: mesh["dp_shard"] (FSDP) or mesh["dp_replicate",
-                "dp_shard"] (HSDP); over TP, this pipeline rank's own 2-D (dp, tp) slice,
-                which plait.fsdp requires as the TP parameters' root; None without dp_shard
+                "dp_shard"] (HSDP), with cp > 1 the flattened ("dp_shard", "cp") axis
+                "dp_shard_cp" in its place (cp ranks shard parameters too, as torchtitan does:
+                their gradients are averaged with the data-parallel ones); over TP, this
+                pipeline rank's own 2-D (dp, tp) slice, which plait.fsdp requires as the TP
+                parameters' root; None without dp_shard or cp
       replicate pure data parallel (dp_replicate > 1, dp_shard == 1): mesh["dp_replicate"], what
                 plait.ddp.replicate takes (DDP semantics, as torchtitan runs pure DP); its
                 parameters may be TP DTensors on mesh["tp"] (replicate reduces their local shards)
       tp        tensor (and sequence) parallel
 
-Global rank order is row-major over (pp, dp_replicate, dp_shard, tp): tp ranks are neighbours
+Global rank order is row-major over (pp, dp_replicate, dp_shard, cp, tp): tp ranks are neighbours
 (the fastest links), pp the outermost, as torchtitan lays them out.
 """
 
@@ -44,6 +49,7 @@ class ParallelDims:
     stage_layers: tuple[tuple[int, ...], ...]  # per pipeline stage, its layer indices
     sequence_parallel: bool
     loss_parallel: bool
+    cp: int = 1
 
     @property
     def dp(self) -> int:
@@ -54,14 +60,15 @@ class ParallelDims:
         return self.pp * self.virtual_stages
 
     def describe(self) -> str:
-        return (f"dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp}) x "
+        cp = f"cp({self.cp}) x " if self.cp > 1 else ""
+        return (f"dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x {cp}tp({self.tp}) x "
                 f"pp({self.pp}) = {self.world_size} ranks")
 
 
 def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size: int) -> ParallelDims:
     """Fill in -1 and 0 defaults and check that the layout fits the world, model and batch."""
     dims = {"dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard,
-            "tp": parallel.tp, "pp": parallel.pp}
+            "cp": parallel.cp, "tp": parallel.tp, "pp": parallel.pp}
     bad = {k: v for k, v in dims.items() if v == 0 or v < -1}
     if bad:
         raise ValueError(f"parallel dims must be >= 1 or -1 (the rest): {bad}")
@@ -81,6 +88,13 @@ def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size:
     elif known != world_size:
         raise ValueError(f"{formula} = {known} != world_size({world_size})")
     dp_replicate, dp_shard, tp, pp = dims["dp_replicate"], dims["dp_shard"], dims["tp"], dims["pp"]
+    cp = dims["cp"]
+    if cp > 1 and training.seq_len % (2 * cp):
+        raise ValueError(f"seq_len({training.seq_len}) is not divisible by 2 * cp({cp}) = {2 * cp}: context "
+                         "parallel gives each cp rank 2 of 2*cp equal chunks (load-balanced causal attention)")
+    if cp > 1 and tp > 1 and parallel.sequence_parallel and (training.seq_len // cp) % tp:
+        raise ValueError(f"seq_len({training.seq_len}) / cp({cp}) = {training.seq_len // cp} is not divisible by "
+                         f"tp({tp}) (sequence parallel shards each cp rank's sequence)")
     if tp > 1 and dp_replicate > 1 and dp_shard > 1:
         raise ValueError(f"dp_replicate({dp_replicate}) x dp_shard({dp_shard}) with tp({tp}): plait.fsdp does "
                          "not compose HSDP with tensor parallel yet; use dp_shard alone (FSDP) or "
@@ -131,7 +145,7 @@ def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size:
 
         build_schedule(schedule, pp, m, stages_per_rank=v if v > 1 else None)
     return ParallelDims(world_size, dp_replicate, dp_shard, tp, pp, schedule, m, v, stage_layers,
-                        parallel.sequence_parallel, parallel.loss_parallel)
+                        parallel.sequence_parallel, parallel.loss_parallel, cp)
 
 
 def _split_layers(n_layers: int, num_stages: int, explicit: list[int]) -> tuple[tuple[int, ...], ...]:
@@ -154,30 +168,37 @@ def _split_layers(n_layers: int, num_stages: int, explicit: list[int]) -> tuple[
 
 @dataclass
 class TrainMeshes:
-    world: object  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp")
+    world: object  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     pp: object
     dp: object  # flattened dp_replicate x dp_shard
     tp: object
-    fsdp: object | None  # None when dp_shard == 1 and dp_replicate == 1, or when `replicate` is set
-    replicate: object | None = None  # mesh["dp_replicate"] for pure data parallel (dp_shard == 1)
+    fsdp: object | None  # None when dp_shard == cp == 1 and dp_replicate == 1, or when `replicate` is set
+    replicate: object | None = None  # mesh["dp_replicate"] for pure data parallel (dp_shard == 1, cp == 1)
+    cp: object | None = None  # mesh["cp"]: the 1-D mesh context_parallel takes
 
 
 def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> TrainMeshes:
     """The named 4-D mesh and the sub-meshes each strategy takes (see the module docstring)."""
     from plait.device_mesh import DeviceMesh, init_device_mesh
 
-    names = ("pp", "dp_replicate", "dp_shard", "tp")
-    world = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    world = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
                              mesh_dim_names=names)
     dp = world["dp_replicate", "dp_shard"].flatten("dp")
+    cp = world["cp"] if dims.cp > 1 else None
     fsdp = None
-    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+    if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.cp == 1:
         return TrainMeshes(world, world["pp"], dp, world["tp"], None, world["dp_replicate"])
-    if dims.dp > 1:
+    shard = "dp_shard"
+    if dims.cp > 1:  # FSDP over every rank of a batch slice: dp_shard x cp, one axis
+        shard = "dp_shard_cp"
+        world["dp_shard", "cp"].flatten(shard)
+    if dims.dp * dims.cp > 1:
         if dims.tp > 1:
             # plait.fsdp over TP wants a 2-D (dp, tp) root: this pipeline rank's slice
             pp_rank = world.get_local_rank("pp")
-            local = DeviceMesh(device_type, world.mesh[pp_rank, 0], mesh_dim_names=("dp_shard", "tp"))
-            return TrainMeshes(world, world["pp"], dp, local["tp"], local["dp_shard"])
-        fsdp = world["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else world["dp_shard"]
-    return TrainMeshes(world, world["pp"], dp, world["tp"], fsdp)
+            ranks = world.mesh[pp_rank, 0].reshape(dims.dp_shard * dims.cp, dims.tp)
+            local = DeviceMesh(device_type, ranks, mesh_dim_names=(shard, "tp"))
+            return TrainMeshes(world, world["pp"], dp, local["tp"], local[shard], cp=cp)
+        fsdp = world["dp_replicate", shard] if dims.dp_replicate > 1 else world[shard]
+    return TrainMeshes(world, world["pp"], dp, world["tp"], fsdp, cp=cp)

@@ -11,8 +11,8 @@ The process group must exist (`plait run` + `plait.comm.init_process_group()`, o
 plait.testing pool rank); `main` in `plait.train.cli` makes it.
 
 Losses reported are the global batch's mean: each rank holding the loss (the last stage's
-ranks) adds loss / (dp * tp) into one world all-reduce, so the figure is what one process
-computes on the same batch.
+ranks) adds loss / (dp * cp * tp) into one world all-reduce, so the figure is what one process
+computes on the same batch (a cp rank's loss is the mean over its half-chunks: equal counts).
 """
 
 from __future__ import annotations
@@ -130,9 +130,20 @@ def _losses_of(parts: PipelineParts, out: object) -> torch.Tensor:
     return loss.detach().float()
 
 
-def _forward_backward(parts: PipelineParts, batch: torch.Tensor, *, train: bool) -> torch.Tensor | None:
-    """Run one (local) batch; returns its mean loss on a rank that computes it, else None."""
+def _forward_backward(parts: PipelineParts, batch: torch.Tensor, *, train: bool,
+                      cp_mesh: object | None = None) -> torch.Tensor | None:
+    """Run one (local) batch; returns its mean loss on a rank that computes it, else None.
+    With `cp_mesh`, inside context_parallel on this rank's sequence chunks (plait.train.context)."""
     x, y = batch[:, :-1], batch[:, 1:]
+    if cp_mesh is None:
+        return _run_batch(parts, x, y, train=train)
+    from plait.train.context import cp_batch
+
+    with cp_batch(parts.modules, x, y, mesh=cp_mesh) as (x_local, y_local):
+        return _run_batch(parts, x_local, y_local, train=train)
+
+
+def _run_batch(parts: PipelineParts, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> torch.Tensor | None:
     if parts.schedule is None:
         (module,) = parts.modules
         loss = lm_loss(module(x), y)
@@ -150,7 +161,7 @@ def _forward_backward(parts: PipelineParts, batch: torch.Tensor, *, train: bool)
 
 
 def _global_mean(local: torch.Tensor | None, dims: ParallelDims) -> float:
-    t = torch.zeros((), dtype=torch.float64) if local is None else local.double() / (dims.dp * dims.tp)
+    t = torch.zeros((), dtype=torch.float64) if local is None else local.double() / (dims.dp * dims.cp * dims.tp)
     comm.all_reduce(t, group=comm.world_group())
     return float(t)
 
@@ -222,7 +233,8 @@ def train(config: JobConfig) -> TrainResult:
         for m in parts.modules:
             m.eval()
         with torch.no_grad():
-            vals = [_global_mean(_forward_backward(parts, b, train=False), dims) for b in held_out]
+            vals = [_global_mean(_forward_backward(parts, b, train=False, cp_mesh=meshes.cp), dims)
+                    for b in held_out]
         for m in parts.modules:
             m.train()
         return sum(vals) / len(vals)
@@ -232,7 +244,7 @@ def train(config: JobConfig) -> TrainResult:
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
         batch = next(stream)
-        local_loss = _forward_backward(parts, batch, train=True)
+        local_loss = _forward_backward(parts, batch, train=True, cp_mesh=meshes.cp)
         reduce_partial_grads(params)
         norm_sq = grad_norm_sq(params, world=world, pp=dims.pp)
         comm.all_reduce(norm_sq, group=comm.world_group())
