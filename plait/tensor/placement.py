@@ -183,7 +183,7 @@ def normalize(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tup
     out = []
     for p in placements:
         if not isinstance(p, Placement):
-            raise TypeError(f"placement {p!r} is not a Shard, _StridedShard, Replicate or Partial")
+            raise TypeError(f"placement {p!r} is not a Shard, Replicate or Partial")
         if isinstance(p, Shard):
             if not -ndim <= p.dim < max(ndim, 1) or ndim == 0:
                 raise ValueError(f"Shard(dim={p.dim}) is out of range for a tensor with {ndim} dims")
