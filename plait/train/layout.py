@@ -7,8 +7,8 @@ the one named N-D mesh.
       pp        the pipeline axis; stage s on pp rank given by the schedule
       dp        dp_replicate * dp_shard, flattened: the data-parallel ranks (each its own batch slice)
       fsdp      what fully_shard takes: mesh["dp_shard"] (FSDP) or mesh["dp_replicate",
-                "dp_shard"] (HSDP); over TP, this pipeline rank's own 2-D (dp, tp) slice,
-                which plait.fsdp requires as the TP parameters' root; None without dp_shard
+                "dp_shard"] (HSDP), over TP too (its parameters' placements are then torch's,
+                (Replicate(), _StridedShard(0, sf=tp), Shard(0)) for colwise); None without dp_shard
       replicate pure data parallel (dp_replicate > 1, dp_shard == 1): mesh["dp_replicate"], what
                 plait.ddp.replicate takes (DDP semantics, as torchtitan runs pure DP); its
                 parameters may be TP DTensors on mesh["tp"] (replicate reduces their local shards)
@@ -81,10 +81,6 @@ def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size:
     elif known != world_size:
         raise ValueError(f"{formula} = {known} != world_size({world_size})")
     dp_replicate, dp_shard, tp, pp = dims["dp_replicate"], dims["dp_shard"], dims["tp"], dims["pp"]
-    if tp > 1 and dp_replicate > 1 and dp_shard > 1:
-        raise ValueError(f"dp_replicate({dp_replicate}) x dp_shard({dp_shard}) with tp({tp}): plait.fsdp does "
-                         "not compose HSDP with tensor parallel yet; use dp_shard alone (FSDP) or "
-                         "dp_replicate alone (DDP) for data parallel over TP")
     for what, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if heads % tp:
             raise ValueError(f"model {what}({heads}) is not divisible by tp({tp}): choose a tp that divides it")
@@ -164,7 +160,7 @@ class TrainMeshes:
 
 def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> TrainMeshes:
     """The named 4-D mesh and the sub-meshes each strategy takes (see the module docstring)."""
-    from plait.device_mesh import DeviceMesh, init_device_mesh
+    from plait.device_mesh import init_device_mesh
 
     names = ("pp", "dp_replicate", "dp_shard", "tp")
     world = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
@@ -173,11 +169,6 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> TrainMeshes:
     fsdp = None
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         return TrainMeshes(world, world["pp"], dp, world["tp"], None, world["dp_replicate"])
-    if dims.dp > 1:
-        if dims.tp > 1:
-            # plait.fsdp over TP wants a 2-D (dp, tp) root: this pipeline rank's slice
-            pp_rank = world.get_local_rank("pp")
-            local = DeviceMesh(device_type, world.mesh[pp_rank, 0], mesh_dim_names=("dp_shard", "tp"))
-            return TrainMeshes(world, world["pp"], dp, local["tp"], local["dp_shard"])
+    if dims.dp > 1:  # over TP too: fully_shard takes slices of the one 4-D root
         fsdp = world["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else world["dp_shard"]
     return TrainMeshes(world, world["pp"], dp, world["tp"], fsdp)
