@@ -14,8 +14,6 @@ from plait.checkpoint import tools
 from plait.testing import run_distributed
 from tests.checkpoint._layouts import build, lay_out
 
-TP_PLAN = ("inp", "mid.lin")
-
 
 def torch_save(path: str) -> dict:
     import torch.distributed.checkpoint as torch_dcp

@@ -135,14 +135,14 @@ def test_fsdp_over_tp_bad_meshes_are_refused_before_anything_is_sent():
 def test_fsdp_over_tp_shards_dim_0_as_torch_and_shard_placement_fn_picks_another():
     """A colwise bias (TP shards its only dim) is FSDP-sharded too; shard_placement_fn keeps
     torch's meaning: its dim is the dp dim, strided where TP shards that dim as well. Uneven
-    sizes (5 rows over tp=2 then dp=2) leave a rank an empty piece; values equal the
-    nested torch.chunk of the global tensor."""
+    sizes (10 rows: 5 per tp rank, cut by dp into 3 + 2); values equal the nested
+    torch.chunk of the global tensor."""
     from plait.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     d, t = mesh.get_coordinate()
     torch.manual_seed(0)
-    lin = torch.nn.Linear(6, 5)
+    lin = torch.nn.Linear(6, 10)
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
     parallelize_module(lin, mesh["tp"], ColwiseParallel())
     fully_shard(lin, mesh=mesh["dp"])
@@ -163,3 +163,16 @@ def test_fsdp_over_tp_shards_dim_0_as_torch_and_shard_placement_fn_picks_another
     parallelize_module(col, mesh["tp"], ColwiseParallel())
     fully_shard(col, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
     assert col.weight.placements == (Shard(1), Shard(0))
+
+    # the optimizer's foreach ops run on the strided shards as they are (no collective), and
+    # clip_grad_norm_ reduces their norms (all-reduces only, nothing gathered)
+    from plait.debug import CommDebugMode
+
+    lin(torch.randn(3, 6)).sum().backward()
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2, foreach=True)
+    with CommDebugMode() as mode:
+        opt.step()
+    assert dict(mode.get_comm_counts()) == {}, mode.get_comm_counts()
+    with CommDebugMode() as mode:
+        torch.nn.utils.clip_grad_norm_(lin.parameters(), 1e-3, foreach=True)
+    assert set(mode.get_comm_counts()) == {"all_reduce"}, mode.get_comm_counts()

@@ -144,7 +144,9 @@ def test_ops_on_strided_dtensors():
     # other ops gather the strided axis first
     w = distribute_tensor(ints(4, 3, seed=4), mesh, (Replicate(), Replicate()))
     torch.testing.assert_close((a @ w).full_tensor(), a_full @ ints(4, 3, seed=4), **tol)
+    assert a.t().placements == (SS(1, split_factor=2), Shard(1))  # permutes move the block's dims
     torch.testing.assert_close(a.t().full_tensor(), a_full.t(), **tol)
+    torch.testing.assert_close(a.unsqueeze(0).permute(2, 0, 1).full_tensor(), a_full.unsqueeze(0).permute(2, 0, 1))
     torch.testing.assert_close(a[1:4].full_tensor(), a_full[1:4], **tol)
     # in place on a strided DTensor, as an optimizer does
     a.mul_(0.5).add_(b)

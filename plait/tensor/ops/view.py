@@ -17,7 +17,13 @@ squeeze_, ...) change a tensor's shape under its feet and have no rule.
 from __future__ import annotations
 
 from plait.tensor.ops.registry import OpCall, Sharding, aten, register
-from plait.tensor.placement import Replicate, Shard, chunk_sizes, local_shape_and_offset
+from plait.tensor.placement import (
+    Replicate,
+    Shard,
+    _StridedShard,
+    chunk_sizes,
+    local_shape_and_offset,
+)
 
 
 def view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
@@ -151,7 +157,9 @@ def _permuted(call: OpCall, perm) -> Sharding:
     """Output dim k is input dim perm[k]."""
     spec = call.specs[0]
     where = {d: k for k, d in enumerate(perm)}
-    outs = tuple(Shard(where[p.dim]) if type(p) is Shard else p for p in spec.placements)
+    outs = tuple(Shard(where[p.dim]) if type(p) is Shard else
+                 _StridedShard(where[p.dim], split_factor=p.split_factor) if type(p) is _StridedShard else p
+                 for p in spec.placements)  # a strided piece is a block too: its dims move with it
     return Sharding((None,), (outs,))
 
 
@@ -175,4 +183,4 @@ def permute_rule(call: OpCall) -> Sharding:
     return _permuted(call, [d % nd for d in call.args[1]])
 
 
-__all__ = ["reshape_placements", "view_groups"]
+__all__ = ["permute_rule", "reshape_placements", "t_rule", "transpose_rule", "view_groups"]
