@@ -147,6 +147,11 @@ def test_ops_on_strided_dtensors():
     assert a.t().placements == (SS(1, split_factor=2), Shard(1))  # permutes move the block's dims
     torch.testing.assert_close(a.t().full_tensor(), a_full.t(), **tol)
     torch.testing.assert_close(a.unsqueeze(0).permute(2, 0, 1).full_tensor(), a_full.unsqueeze(0).permute(2, 0, 1))
+    v = a.view(6, 2, 2)  # reshapes that leave the strided dim whole keep the layout
+    assert v.placements == placements and a.unsqueeze(0).placements == (SS(1, split_factor=2), Shard(1))
+    torch.testing.assert_close(v.full_tensor(), a_full.view(6, 2, 2), **tol)
+    torch.testing.assert_close(a.reshape(-1).full_tensor(), a_full.reshape(-1), **tol)  # others gather first
+    torch.testing.assert_close(a.view(3, 8).full_tensor(), a_full.view(3, 8), **tol)
     torch.testing.assert_close(a[1:4].full_tensor(), a_full[1:4], **tol)
     # in place on a strided DTensor, as an optimizer does
     a.mul_(0.5).add_(b)
