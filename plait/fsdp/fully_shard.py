@@ -10,15 +10,11 @@ reduced twice, so it is refused here, naming both places (group them with
 fully_shard([a, b]) or shard their common parent). Buffers are not sharded; they move to
 the mesh's device like the parameters.
 
-Over tensor parallel (parameters already DTensors on mesh["tp"], `mesh` is mesh["dp"] of
-the same root): FSDP shards each TP-local tensor over dp on a dim TP does not shard — dim 0
-unless TP shards dim 0 (colwise weights, vocab-sharded embeddings), then the first free dim.
-torch keeps dim 0 and marks the dp placement `_StridedShard` (the dp piece of a TP piece
-is strided in the global tensor); choosing another dim keeps both placements plain
-`Shard`s of different dims, so `full_tensor()`, the state dict, the optimizer's foreach
-ops and `clip_grad_norm_` take DTensor's ordinary rules and every saved shard is a block
-of the global tensor. A 1-D parameter TP shards on dim 0 (a colwise bias) has no free dim
-and is refused.
+Over tensor parallel (parameters already DTensors on a 1-D mesh["tp"], `mesh` is mesh["dp"]
+or the HSDP slice mesh["dp_replicate", "dp_shard"] of the same root, of any number of axes):
+FSDP shards dim 0 of each TP-local tensor over dp, as torch does (`shard_placement_fn` picks
+another dim), so a dim TP shards too gets torch's (_StridedShard(0, sf=tp), Shard(0)) and
+every parameter's placements, local values and state dict equal torch's (param.dp_tp_layout).
 """
 
 from __future__ import annotations
@@ -116,8 +112,7 @@ def shard_modules(
         if placement is not None and not isinstance(placement, Shard):
             raise TypeError(f"shard_placement_fn returned {placement!r} for a parameter of {name}; return a "
                             "Shard(dim) or None")
-        placement = _tp_free_placement(p, placement, where[0][1], name) if isinstance(p, DTensor) \
-            else placement if placement is not None else Shard(0)
+        placement = placement if placement is not None else Shard(0)
         if p.dim() == 0 or not -p.dim() <= placement.dim < p.dim():
             raise ValueError(f"fully_shard({name}): cannot shard parameter {where[0][1]!r} of shape "
                              f"{tuple(p.shape)} on dim {placement.dim}; scalars are not supported, "
@@ -246,43 +241,17 @@ def _check_param(p: nn.Parameter, key: str, m: nn.Module, name: str, mesh: Devic
 
 def _check_tp_param(p: DTensor, key: str, m: nn.Module, name: str, mesh: DeviceMesh) -> None:
     """A DTensor parameter must come from tensor parallel on a 1-D mesh of the root that
-    `mesh` (1-D, the dp axis) was sliced from, on the other axis."""
+    `mesh` (FSDP's axes) was sliced from, on another axis."""
     tp = p.device_mesh
     where = f"fully_shard({name}): parameter {key!r} of {_describe(m)} is a DTensor on {tp}"
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"{where}; HSDP over tensor parallel (a 2-D FSDP mesh) is not supported: "
-                                  "pass the 1-D dp mesh, mesh['dp']")
     if tp.ndim != 1 or any(pl.is_partial() for pl in p.placements):
         raise ValueError(f"{where} with placements {p.placements}; fully_shard composes with a 1-D "
                          "tensor-parallel mesh and Shard/Replicate placements (parallelize_module's)")
     if tp._root != mesh._root or tp._root is tp or not tp.mesh_dim_names or not mesh.mesh_dim_names \
-            or tp.mesh_dim_names == mesh.mesh_dim_names:
-        raise ValueError(f"{where}, but FSDP's mesh is {mesh}; slice both from one 2-D mesh with named "
+            or set(tp._axes[0]) & {a for axis in mesh._axes for a in axis}:
+        raise ValueError(f"{where}, but FSDP's mesh is {mesh}; slice both from one mesh with named "
                          "axes: parallelize_module(model, mesh['tp'], ...) then fully_shard(block, "
-                         "mesh=mesh['dp'])")
-    if tp._root.ndim != 2:
-        raise NotImplementedError(f"{where}; fully_shard over tensor parallel takes a 2-D (dp, tp) root "
-                                  f"mesh, got {tp._root.ndim}-D {tp._root.shape}")
-
-
-def _tp_free_placement(p: DTensor, asked: Shard | None, key: str, name: str) -> Shard:
-    """FSDP's dp dim for a tensor-parallel parameter: `asked`, else dim 0, else the first
-    dim TP does not shard (see the module docstring for why not torch's _StridedShard)."""
-    taken = {pl.dim % p.dim() for pl in p.placements if pl.is_shard()}
-    if asked is not None:
-        if asked.dim % max(p.dim(), 1) in taken:
-            raise NotImplementedError(
-                f"fully_shard({name}): shard_placement_fn asks to shard {key!r} on dim {asked.dim} over dp, "
-                f"which tensor parallel shards already ({p.placements}); plait shards the dp axis on a dim "
-                "TP leaves whole (no _StridedShard): return another dim or None")
-        return asked
-    for d in range(p.dim()):
-        if d not in taken:
-            return Shard(d)
-    raise NotImplementedError(
-        f"fully_shard({name}): parameter {key!r} of shape {tuple(p.shape)} is sharded by tensor parallel on "
-        f"its only dim ({p.placements}); plait's FSDP shards a dim TP leaves whole (no _StridedShard), so "
-        "keep such a parameter out with ignored_params or do not shard it with tensor parallel")
+                         "mesh=mesh['dp']) (HSDP: mesh['dp_replicate', 'dp_shard'])")
 
 
 @functools.cache

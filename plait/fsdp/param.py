@@ -22,9 +22,10 @@ shape, the all-gather over dp rebuilds it, the unsharded parameter is a DTensor 
 mesh["tp"] with TP's spec (what the TP styles expect), and its gradient is first moved to
 TP's placements (a Partial gradient of a Replicate weight under sequence parallel is
 all-reduced over tp, as torch's FSDP does) before its local tensor is reduce-scattered over
-dp. The sharded parameter is a DTensor on the (dp, tp) mesh with placements (Shard(d), TP's
-placement), d never a dim TP shards (fully_shard picks it), so the two shardings are
-independent and the dp piece is a plain block of the global tensor.
+dp. The sharded parameter is a DTensor on the (dp, tp) mesh (HSDP: (dp_replicate, dp_shard,
+tp)) with torch's placements: (Shard(d), TP's) where TP leaves d whole, and
+(_StridedShard(d, sf=tp), Shard(d)) where TP shards d too, since the dp piece is then cut
+from the TP piece (dp_tp_layout); either way it is one block of the global tensor.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from plait.device_mesh import DeviceMesh
-from plait.tensor import DTensor, Replicate, Shard
+from plait.tensor import DTensor, Replicate, Shard, _StridedShard
 from plait.tensor.placement import Placement, chunk_offset, contiguous_strides
 from plait.tensor.spec import DTensorSpec
 
@@ -80,7 +81,7 @@ class FSDPParam:
         if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
             local = local.pin_memory()
         if self.tp_spec is not None:
-            spec_mesh, placements = dp_tp_layout(mesh, self.tp_spec, Shard(self.dim))
+            spec_mesh, placements = dp_tp_layout(mesh, self.tp_spec, self.dim)
         else:
             spec_mesh = mesh
             placements = (Shard(self.dim),) if mesh.ndim == 1 else (Replicate(), Shard(self.dim))
@@ -262,17 +263,32 @@ def set_grad(param: nn.Parameter, grad: torch.Tensor | None) -> None:
     param.grad.data = grad
 
 
-def dp_tp_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dp_placement: Shard) \
+def dp_tp_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int) \
         -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The mesh over both axes and the placements, in that mesh's axis order, of a parameter
-    TP lays out as `tp_spec` and FSDP shards over `dp_mesh` with `dp_placement`."""
+    """The mesh over FSDP's axes and TP's (in the root's axis order) and the placements of a
+    parameter TP lays out as `tp_spec` and FSDP shards on `dim` of its TP-local tensor over
+    the last axis of `dp_mesh` (a first axis of a 2-D dp mesh replicates: HSDP).
+
+    FSDP cuts the TP-local tensor, so its cut comes after TP's in the global tensor: where a
+    TP axis that shards `dim` follows the dp shard axis in the mesh, the dp placement is
+    torch's _StridedShard(dim, split_factor=those TP axes' size), else a plain Shard(dim)."""
     tp_mesh = tp_spec.mesh
     root = dp_mesh._root
-    names = [dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]]
-    order = sorted(range(2), key=lambda i: root.mesh_dim_names.index(names[i]))
-    mesh = root[tuple(names[i] for i in order)]
-    by_axis = (dp_placement, tp_spec.placements[0])
-    return mesh, tuple(by_axis[i] for i in order)
+    axes = [(dp_mesh._axes[i][0], name, "dp", i) for i, name in enumerate(dp_mesh.mesh_dim_names)]
+    axes += [(tp_mesh._axes[j][0], name, "tp", j) for j, name in enumerate(tp_mesh.mesh_dim_names)]
+    axes.sort()
+    mesh = root[tuple(name for _, name, _, _ in axes)]
+    shard_at = next(k for k, (_, _, kind, i) in enumerate(axes) if kind == "dp" and i == dp_mesh.ndim - 1)
+    split = math.prod(tp_mesh.size(j) for k, (_, _, kind, j) in enumerate(axes) if kind == "tp" and k > shard_at
+                      and tp_spec.placements[j] == Shard(dim))
+    dp_shard = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    placements = []
+    for _, _, kind, i in axes:
+        if kind == "tp":
+            placements.append(tp_spec.placements[i])
+        else:
+            placements.append(dp_shard if i == dp_mesh.ndim - 1 else Replicate())
+    return mesh, tuple(placements)
 
 
 __all__ = ["FSDPParam", "dp_tp_layout", "set_grad"]

@@ -16,11 +16,11 @@ from plait.tensor.api import distribute_module, distribute_tensor
 from plait.tensor.dtensor import DTensor
 from plait.tensor.factory import empty, full, ones, rand, randn, zeros
 from plait.tensor.ops import register_sharding
-from plait.tensor.placement import Partial, Placement, Replicate, Shard
+from plait.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
 from plait.tensor.spec import DTensorSpec
 
 __all__ = [
     "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_module", "distribute_tensor", "empty", "full", "init_device_mesh", "ones", "rand",
-    "randn", "register_sharding", "zeros",
+    "randn", "register_sharding", "zeros", "_StridedShard",
 ]

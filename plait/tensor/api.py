@@ -25,12 +25,14 @@ from torch import nn
 
 from plait import comm
 from plait.device_mesh import DeviceMesh
+from plait.tensor import strided
 from plait.tensor.dtensor import DTensor
 from plait.tensor.placement import (
     Partial,
     Placement,
     Replicate,
     Shard,
+    _StridedShard,
     chunk_offset,
     chunk_sizes,
     normalize,
@@ -65,7 +67,9 @@ def distribute_tensor(
     if source.device.type != device_mesh.device_type:
         source = source.to(device_mesh.device_type)
     local = source
-    for axis, p in enumerate(placements):
+    # a _StridedShard axis cuts its dim last (placement.shard_order): scatter the others,
+    # keep that axis whole, then cut the local piece by it (no communication)
+    for axis, p in enumerate(strided.unstrided(placements)):
         n = device_mesh.size(axis)
         group = device_mesh.get_group(axis)
         if type(p) is Shard:
@@ -79,6 +83,10 @@ def distribute_tensor(
                 local = comm.broadcast(local.contiguous().clone(), src=src_data_rank, group=group)
             if isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[axis] != 0:
                 local = torch.zeros_like(local)
+    for axis, p in enumerate(placements):
+        if type(p) is _StridedShard:
+            size, start = chunk_offset(local.size(p.dim), device_mesh.size(axis), coordinate[axis])
+            local = local.narrow(p.dim, start, size)
     if local.numel() and local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
         local = local.clone()
     local = local.contiguous()

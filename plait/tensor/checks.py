@@ -19,13 +19,20 @@ import torch
 
 from plait import comm
 from plait.device_mesh import DeviceMesh
-from plait.tensor.placement import Placement, Replicate, Shard, chunk_sizes, local_shape_and_offset
+from plait.tensor.placement import (
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+    chunk_sizes,
+    local_shape_and_offset,
+)
 
 
 def even_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
     shape = list(local.shape)
     for axis, p in enumerate(placements):
-        if type(p) is Shard:
+        if type(p) is Shard or type(p) is _StridedShard:
             shape[p.dim] *= mesh.size(axis)
     return tuple(shape)
 
@@ -33,13 +40,16 @@ def even_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: Sequenc
 def gathered_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
     shape = list(local.shape)
     errors = []
-    for axis in reversed(range(mesh.ndim)):
+    # undo the cuts innermost first: a _StridedShard axis cuts its dim last
+    axes = sorted(reversed(range(mesh.ndim)), key=lambda a: type(placements[a]) is not _StridedShard)
+    for axis in axes:
         p = placements[axis]
-        if type(p) is not Shard:
+        if type(p) is not Shard and type(p) is not _StridedShard:
             continue
         sizes = comm.all_gather(torch.tensor([shape[p.dim]]), group=mesh.get_group(axis)).tolist()
         total = sum(sizes)
-        if sizes != chunk_sizes(total, len(sizes)):
+        # (a strided axis's sizes are checked below, with the whole shape known)
+        if type(p) is Shard and sizes != chunk_sizes(total, len(sizes)):
             errors.append(f"mesh axis {axis} holds sizes {sizes} along dim {p.dim}, which is not "
                           f"torch.chunk's split {chunk_sizes(total, len(sizes))} of {total}")
         shape[p.dim] = total

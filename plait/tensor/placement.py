@@ -4,9 +4,15 @@
                         pieces padded with empty ones to n (7 on 4 -> 2,2,2,1; 2 on 4 -> 1,1,0,0)
     Replicate()         every rank holds the whole value
     Partial(reduce_op)  the value is reduce_op over the ranks' locals (sum, avg, max, min)
+    _StridedShard(dim, split_factor=sf)
+                        Shard(dim) cut after the later axes that shard `dim` over sf ranks in
+                        all (torch's FSDP over TP): with (_StridedShard(0, sf=tp), Shard(0)) on
+                        (dp, tp) rank (d, t) holds chunk(chunk(global, tp)[t], dp)[d]
 
 A placement tuple has one entry per mesh axis, applied in axis order: with
-(Shard(0), Shard(0)) axis 0 chunks dim 0 first and axis 1 chunks each piece again. The
+(Shard(0), Shard(0)) axis 0 chunks dim 0 first and axis 1 chunks each piece again. A
+_StridedShard axis is the exception: it cuts its dim last among the axes it waits for
+(`shard_order`), so every rank's piece is still one block of the global tensor. The
 functions below are pure (sizes and coordinates in, sizes and offsets out), so the
 layout logic is tested without processes.
 """
@@ -50,6 +56,46 @@ class Shard(Placement):
 
     def __str__(self) -> str:
         return f"S({self.dim})"
+
+
+class _StridedShard(Placement):
+    """Shard(dim) applied after the later mesh axes that shard `dim` into `split_factor`
+    pieces: torch's placement for FSDP's dp shard of a TP shard (torch's name and repr).
+    Like torch's, it is not a Shard: `isinstance(p, Shard)` and `p.is_shard()` are False."""
+
+    __slots__ = ("dim", "split_factor")
+
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: int | None = None) -> None:
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError("_StridedShard received both split_factor and sf")
+            split_factor = sf
+        if not isinstance(split_factor, int) or split_factor < 1:
+            raise ValueError(f"_StridedShard split_factor must be a positive int, got {split_factor!r}")
+        object.__setattr__(self, "dim", int(dim))
+        object.__setattr__(self, "split_factor", int(split_factor))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("_StridedShard is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _StridedShard and (self.dim, self.split_factor) == (other.dim, other.split_factor)
+
+    def __hash__(self) -> int:
+        return hash((_StridedShard, self.dim, self.split_factor))
+
+    def __reduce__(self) -> tuple:
+        return (_strided, (self.dim, self.split_factor))
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+
+def _strided(dim: int, split_factor: int) -> _StridedShard:
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +189,52 @@ def normalize(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tup
                 raise ValueError(f"Shard(dim={p.dim}) is out of range for a tensor with {ndim} dims")
             if p.dim < 0:
                 p = Shard(p.dim + ndim)
+        elif type(p) is _StridedShard:
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(f"{p!r} is out of range for a tensor with {ndim} dims")
+            if p.dim < 0:
+                p = _StridedShard(p.dim + ndim, split_factor=p.split_factor)
         out.append(p)
     ops = {p.reduce_op for p in out if isinstance(p, Partial) and type(p) is Partial}
     if len(ops) > 1:
         raise ValueError(f"placements {out} mix Partial reduce ops {sorted(ops)}; use one")
     return tuple(out)
+
+
+def has_strided(placements: Sequence[Placement]) -> bool:
+    return any(type(p) is _StridedShard for p in placements)
+
+
+def shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> dict[int, list[int]]:
+    """Per tensor dim, the mesh axes that chunk it, in the order they cut: axis order, but a
+    _StridedShard(d, sf) axis waits until the later Shard(d) axes have cut d into sf pieces."""
+    order: dict[int, list[int]] = {}
+    waiting: dict[int, list[int]] = {}  # dim -> [strided axis, pieces still to wait for]
+    for axis, p in enumerate(placements):
+        if type(p) is Shard:
+            order.setdefault(p.dim, []).append(axis)
+            wait = waiting.get(p.dim)
+            if wait is not None:
+                if wait[1] % mesh_shape[axis]:
+                    raise ValueError(f"{placements[wait[0]]!r} on mesh axis {wait[0]} waits for {wait[1]} more "
+                                     f"pieces of dim {p.dim}, but axis {axis} cuts it into {mesh_shape[axis]}")
+                wait[1] //= mesh_shape[axis]
+                if wait[1] == 1:
+                    order[p.dim].append(wait[0])
+                    del waiting[p.dim]
+        elif type(p) is _StridedShard:
+            if p.dim in waiting:
+                raise ValueError(f"placements {list(placements)} hold two _StridedShard of dim {p.dim}; "
+                                 "one per dim is supported")
+            if p.split_factor == 1:
+                order.setdefault(p.dim, []).append(axis)
+            else:
+                waiting[p.dim] = [axis, p.split_factor]
+    for dim, (axis, left) in waiting.items():
+        raise ValueError(f"{placements[axis]!r} on mesh axis {axis} of {list(placements)} needs later mesh axes "
+                         f"that Shard({dim}) over {left} ranks in all (e.g. (_StridedShard(0, sf=tp), "
+                         "Shard(0)) on (dp, tp)); torch's interleaved layout without them is not supported")
+    return order
 
 
 def local_shape_and_offset(
@@ -158,6 +245,13 @@ def local_shape_and_offset(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This coordinate's local shape and its offset into the global tensor, per dim."""
     sizes, offsets = list(shape), [0] * len(shape)
+    if has_strided(placements):
+        for dim, axes in shard_order(placements, mesh_shape).items():
+            for axis in axes:
+                size, start = chunk_offset(sizes[dim], mesh_shape[axis], coordinate[axis])
+                sizes[dim] = size
+                offsets[dim] += start
+        return tuple(sizes), tuple(offsets)
     for axis, p in enumerate(placements):
         if type(p) is Shard:
             size, start = chunk_offset(sizes[p.dim], mesh_shape[axis], coordinate[axis])
@@ -201,4 +295,5 @@ def like_strides(shape: Sequence[int], model_stride: Sequence[int]) -> tuple[int
     return tuple(strides)
 
 
-__all__ = ["Partial", "Placement", "Replicate", "Shard", "chunk_offset", "chunk_sizes", "local_shape_and_offset"]
+__all__ = ["Partial", "Placement", "Replicate", "Shard", "_StridedShard", "chunk_offset", "chunk_sizes",
+           "has_strided", "local_shape_and_offset", "shard_order"]

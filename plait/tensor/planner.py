@@ -11,13 +11,23 @@ fallback plan (replicate everything, see fallback.py).
 
 from __future__ import annotations
 
-from plait.tensor import fallback
+from plait.tensor import fallback, strided
 from plait.tensor import redistribute as redist
 from plait.tensor.dispatch import Plan
 from plait.tensor.dtensor import DTensor
 from plait.tensor.foreach_meshes import ByMeshPlan, is_foreach
 from plait.tensor.ops import RULES, OpCall
+from plait.tensor.ops.foreach import foreach_rule
+from plait.tensor.ops.pointwise import pointwise_rule
+from plait.tensor.ops.reduction import foreach_norm_rule, reduction_rule
+from plait.tensor.ops.tensor_ops import like_rule, new_rule
+from plait.tensor.ops.view import permute_rule, reshape_rule, squeeze_rule, t_rule, transpose_rule
+from plait.tensor.placement import has_strided, shard_order
 from plait.tensor.spec import DTensorSpec, same_mesh
+
+# the rules that place a _StridedShard input themselves (its piece is one block of the tensor)
+STRIDED_RULES = (pointwise_rule, foreach_rule, reduction_rule, foreach_norm_rule, like_rule, new_rule,
+                 t_rule, transpose_rule, permute_rule, reshape_rule, squeeze_rule)
 
 
 def _positions(args, kwargs) -> list:
@@ -35,18 +45,67 @@ def _positions(args, kwargs) -> list:
     return pos
 
 
-def _spec_tree(a):
+def _spec_tree(a, specs: dict[int, DTensorSpec]):
     t = type(a)
     if t is DTensor:
-        return a._spec
+        return specs.get(id(a), a._spec)
     if t in (list, tuple):
-        return t(_spec_tree(e) for e in a)
+        return t(_spec_tree(e, specs) for e in a)
     return a
 
 
 def build(op, args, kwargs, dts: list[DTensor]) -> Plan:
-    """The plan for this call (see the module note)."""
+    """The plan for this call (see the module note). A _StridedShard input meets only the
+    rules that know it (pointwise, foreach, reductions, *_like); for any other op, or a
+    choice that is no valid layout, it is first gathered to its plain layout (strided.py)."""
     specs = [d._spec for d in dts]
+    if any(has_strided(s.placements) for s in specs):
+        if RULES.get(op) in STRIDED_RULES:
+            try:
+                plan = _build(op, args, kwargs, dts, specs)
+                if _valid(plan):
+                    return plan
+            except ValueError:  # a chosen move to no valid layout (strided.plan checks)
+                pass
+        return _build_unstrided(op, args, kwargs, dts, specs)
+    return _build(op, args, kwargs, dts, specs)
+
+
+def _valid(plan: Plan) -> bool:
+    """Whether every layout the plan leads to is one shard_order accepts (a fallback or
+    by-mesh plan moves from each input's own spec, so it always is)."""
+    if type(plan) is not Plan:
+        return True
+    try:
+        for s in plan.out_specs:
+            if s is not None and has_strided(s.placements):
+                shard_order(s.placements, s.mesh.shape)
+        for _, spec in plan.moved:
+            shard_order(spec.placements, spec.mesh.shape)
+    except ValueError:
+        return False
+    return True
+
+
+def _build_unstrided(op, args, kwargs, dts: list[DTensor], specs: list[DTensorSpec]) -> Plan:
+    """The plan with every strided input gathered to its plain layout first."""
+    plain = [s.with_placements(strided.unstrided(s.placements)) for s in specs]
+    pre = [redist.plan_for(s, u.placements) for s, u in zip(specs, plain)]
+    plan = _build(op, args, kwargs, dts, plain)
+    if isinstance(plan, ByMeshPlan):
+        return plan  # it plans each mesh's call again
+    if isinstance(plan, fallback.FallbackPlan):  # it replicates every input from its own spec
+        return _build(op, args, kwargs, dts, specs)
+    steps = tuple((p + (s or ())) or None for p, s in zip(pre, plan.steps))
+    moved = dict(plan.moved)
+    for k in _aliasing(op, plan.positions)[0]:
+        if pre[k]:
+            moved.setdefault(k, plain[k])
+    return Plan(op, plan.mesh, steps, plan.out_specs, plan.local_fn, plan.positions, plan.returns,
+                tuple(moved.items()))
+
+
+def _build(op, args, kwargs, dts: list[DTensor], specs: list[DTensorSpec]) -> Plan:
     mesh = specs[0].mesh
     for s in specs[1:]:
         if not same_mesh(s.mesh, mesh):
@@ -59,7 +118,8 @@ def build(op, args, kwargs, dts: list[DTensor]) -> Plan:
     if rule is None:
         return fallback.plan(op, mesh, specs, positions, written, returns)
     outs = fallback.meta_outputs(op, args, kwargs)
-    call = OpCall(op, _spec_tree(tuple(args)), {k: _spec_tree(v) for k, v in kwargs.items()},
+    by_id = {id(d): s for d, s in zip(dts, specs)}
+    call = OpCall(op, _spec_tree(tuple(args), by_id), {k: _spec_tree(v, by_id) for k, v in kwargs.items()},
                   specs, outs, written, returns)
     sharding = rule(call)
     n_out = len(sharding.outputs)

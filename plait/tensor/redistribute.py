@@ -40,6 +40,7 @@ from plait.tensor.placement import (
     _NormPartial,
     chunk_offset,
     chunk_sizes,
+    has_strided,
     logical_size,
 )
 
@@ -70,6 +71,8 @@ def plan(
     coordinate: Sequence[int],
 ) -> tuple[Step, ...]:
     """The steps that take placements `src` to `dst` for a tensor of global `shape`."""
+    if has_strided(src) or has_strided(dst):
+        return strided.plan(shape, src, dst, mesh_shape, coordinate, plan)
     n_axes = len(mesh_shape)
     cur = list(src)
     undo, disturbed = set(), set()
@@ -296,5 +299,8 @@ def _pack_all_to_all(local: torch.Tensor, s: Step, me: int):
         return send, None, None, finish
     return send, in_splits, out_splits, finish
 
+
+# strided.py imports Step from this module; bound as a module so either may load first
+from plait.tensor import strided  # noqa: E402
 
 __all__ = ["Pending", "Step", "plan", "plan_for", "run"]

@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from plait.device_mesh import DeviceMesh
-from plait.tensor.placement import Partial, Placement, Replicate, Shard, local_shape_and_offset
+from plait.tensor.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+    local_shape_and_offset,
+)
 
 
 class DTensorSpec:
@@ -75,7 +82,7 @@ class DTensorSpec:
         return any(isinstance(p, Partial) for p in self.placements)
 
     def sharded_dims(self) -> set[int]:
-        return {p.dim for p in self.placements if type(p) is Shard}
+        return {p.dim for p in self.placements if type(p) is Shard or type(p) is _StridedShard}
 
     def with_placements(self, placements: tuple[Placement, ...]) -> DTensorSpec:
         return DTensorSpec(self.mesh, tuple(placements), self.shape, self.stride, self.dtype)

@@ -11,9 +11,9 @@ the one named N-D mesh.
       fsdp      what fully_shard takes: mesh["dp_shard"] (FSDP) or mesh["dp_replicate",
                 "dp_shard"] (HSDP), with cp > 1 the flattened ("dp_shard", "cp") axis
                 "dp_shard_cp" in its place (cp ranks shard parameters too, as torchtitan does:
-                their gradients are averaged with the data-parallel ones); over TP, this
-                pipeline rank's own 2-D (dp, tp) slice, which plait.fsdp requires as the TP
-                parameters' root; None without dp_shard or cp
+                their gradients are averaged with the data-parallel ones); over TP too (its
+                parameters' placements are then torch's, (Replicate(), _StridedShard(0, sf=tp),
+                Shard(0)) for colwise); None without dp_shard or cp
       replicate pure data parallel (dp_replicate > 1, dp_shard == 1): mesh["dp_replicate"], what
                 plait.ddp.replicate takes (DDP semantics, as torchtitan runs pure DP); its
                 parameters may be TP DTensors on mesh["tp"] (replicate reduces their local shards)
@@ -95,10 +95,6 @@ def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size:
     if cp > 1 and tp > 1 and parallel.sequence_parallel and (training.seq_len // cp) % tp:
         raise ValueError(f"seq_len({training.seq_len}) / cp({cp}) = {training.seq_len // cp} is not divisible by "
                          f"tp({tp}) (sequence parallel shards each cp rank's sequence)")
-    if tp > 1 and dp_replicate > 1 and dp_shard > 1:
-        raise ValueError(f"dp_replicate({dp_replicate}) x dp_shard({dp_shard}) with tp({tp}): plait.fsdp does "
-                         "not compose HSDP with tensor parallel yet; use dp_shard alone (FSDP) or "
-                         "dp_replicate alone (DDP) for data parallel over TP")
     for what, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if heads % tp:
             raise ValueError(f"model {what}({heads}) is not divisible by tp({tp}): choose a tp that divides it")
@@ -179,7 +175,7 @@ class TrainMeshes:
 
 def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> TrainMeshes:
     """The named 4-D mesh and the sub-meshes each strategy takes (see the module docstring)."""
-    from plait.device_mesh import DeviceMesh, init_device_mesh
+    from plait.device_mesh import init_device_mesh
 
     names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     world = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
@@ -193,12 +189,6 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> TrainMeshes:
     if dims.cp > 1:  # FSDP over every rank of a batch slice: dp_shard x cp, one axis
         shard = "dp_shard_cp"
         world["dp_shard", "cp"].flatten(shard)
-    if dims.dp * dims.cp > 1:
-        if dims.tp > 1:
-            # plait.fsdp over TP wants a 2-D (dp, tp) root: this pipeline rank's slice
-            pp_rank = world.get_local_rank("pp")
-            ranks = world.mesh[pp_rank, 0].reshape(dims.dp_shard * dims.cp, dims.tp)
-            local = DeviceMesh(device_type, ranks, mesh_dim_names=(shard, "tp"))
-            return TrainMeshes(world, world["pp"], dp, local["tp"], local[shard], cp=cp)
+    if dims.dp * dims.cp > 1:  # over TP too: fully_shard takes slices of the one root
         fsdp = world["dp_replicate", shard] if dims.dp_replicate > 1 else world[shard]
     return TrainMeshes(world, world["pp"], dp, world["tp"], fsdp, cp=cp)

@@ -2,7 +2,8 @@
 
 Model: inp Linear(7, 12) -> mid (tanh, Linear(12, 11), tanh, * buffer scale) -> out
 Linear(11, 5); 12 divides by the tp degrees (TP's local outputs must be even), every other
-dim by none of 2, 3, 4 (FSDP's dim-0 and FSDP+TP's dim-1 pieces are uneven). `Tied` shares its embedding with its head.
+dim by none of 2, 3, 4 (FSDP's dim-0 pieces are uneven; FSDP+TP's dp piece of a colwise TP
+piece is torch's (_StridedShard(0, sf=tp), Shard(0))). `Tied` shares its embedding with its head.
 
 Layouts (built on every rank of the world): single (one process's model, as is), ddp,
 replicate, fsdp (per layer + root), hsdp (2 x world/2), tp (inp colwise, mid.lin rowwise),
@@ -43,7 +44,7 @@ class Scaled(nn.Module):
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.inp = nn.Linear(7, 12, bias=False)  # FSDP+TP: no 1-D colwise piece
+        self.inp = nn.Linear(7, 12)  # colwise: FSDP+TP cuts its weight and 1-D bias strided
         self.mid = Scaled()
         self.out = nn.Linear(11, 5)
 

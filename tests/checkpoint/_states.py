@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from plait.device_mesh import init_device_mesh
-from plait.tensor import DTensor, Replicate, Shard, distribute_tensor
+from plait.tensor import DTensor, Replicate, Shard, _StridedShard, distribute_tensor
 
 # name -> (shape, dtype): odd sizes so that no dim divides evenly by 2, 3 or 4
 SHAPES = {
@@ -27,6 +27,9 @@ LAYOUTS = {
     "S0xS1": ((2, -1), [Shard(0), Shard(1)], [Shard(0), Replicate()]),
     "RxS0": ((2, -1), [Replicate(), Shard(0)], [Replicate(), Shard(0)]),
     "S0xS0": ((2, -1), [Shard(0), Shard(0)], [Shard(0), Shard(0)]),
+    # FSDP over TP, torch's layout: the dp axis cuts each tp piece (world 4: 2 x 2)
+    "SSxS0": ((2, -1), [_StridedShard(0, split_factor=2), Shard(0)], [_StridedShard(0, split_factor=2), Shard(0)]),
+    "SS1xS1": ((2, -1), [_StridedShard(1, split_factor=2), Shard(1)], [Shard(0), Replicate()]),
 }
 
 

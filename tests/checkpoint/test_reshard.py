@@ -1,7 +1,8 @@
 """Save in one layout, load into another: every element lands where it was, bitwise.
 
 Layouts: one process (plain tensors), Shard(0)/Shard(1)/Replicate on world 2, 3, 4, and
-2-D meshes mixing Shard and Replicate (Shard on both axes of one dim included); every
+2-D meshes mixing Shard and Replicate (Shard on both axes of one dim included), FSDP over
+TP's (_StridedShard(d, sf=2), Shard(d)) on 2 x 2; every
 tensor has dims that the world size does not divide, and one has fewer rows than ranks.
 """
 
@@ -48,6 +49,10 @@ CASES = [  # (save layout, save world, load layout, load world)
     ("RxS0", 4, None, 1),
     ("S0xS0", 4, "S0xS1", 4),
     ("R", 2, "S0xS0", 4),
+    ("SSxS0", 4, "S1", 3),  # FSDP over TP's strided layout, saved and loaded into others
+    ("S0xS0", 4, "SSxS0", 4),
+    ("SSxS0", 4, None, 1),
+    ("SS1xS1", 4, "SSxS0", 4),
 ]
 
 

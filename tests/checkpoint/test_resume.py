@@ -26,7 +26,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 PAIRS = [  # (source, its world, target, its world)
     ("single", 1, "fsdp", 3), ("fsdp", 3, "pp", 2), ("pp", 2, "tp", 3), ("tp", 3, "fsdp_tp", 4),
-    ("fsdp_tp", 4, "single", 1),  # norms TP leaves whole: one copy per tp rank, written once
+    ("fsdp_tp", 4, "fsdp", 3), ("fsdp_tp", 4, "single", 1),  # norms TP leaves whole: one copy per tp rank, written once
     ("ddp", 2, "hsdp", 4), ("hsdp", 4, "ddp", 2), ("fsdp", 4, "fsdp", 2),
     ("replicate", 3, "tp", 2), ("tp", 2, "replicate", 2), ("fsdp", 2, "ac", 2), ("ac", 1, "compile", 1),
     ("compile", 1, "fsdp1", 3), ("fsdp1", 2, "tp", 2),

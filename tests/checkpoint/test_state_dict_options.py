@@ -185,7 +185,7 @@ def test_broadcast_of_a_sharded_state_is_an_error_on_every_rank():
         set_model_state_dict(model, sharded, options=options)
     with pytest.raises(ValueError, match=r"rank 0 passed no state dict"):
         set_optimizer_state_dict(model, opt, {}, options=options)
-    with pytest.raises(StateDictKeyError, match=r"missing key\(s\) \['inp.weight'"):
+    with pytest.raises(StateDictKeyError, match=r"missing key\(s\) \['inp.bias', 'inp.weight'"):
         set_model_state_dict(model, {}, options=options)
 
 

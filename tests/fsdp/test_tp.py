@@ -2,9 +2,11 @@
 
 The Llama "tiny" config under its canonical plan on mesh["tp"] (TP alone and TP+SP,
 untied and tied embeddings), then fully_shard per block and the root on mesh["dp"]:
-every parameter is a DTensor on the (dp, tp) mesh with placements (Shard(d), TP's) where
-d is a dim TP leaves whole (dim 1 for colwise weights and the vocab-sharded embedding /
-output, dim 0 for rowwise weights and SP norms); the norms TP alone leaves plain become
+every parameter is a DTensor on the (dp, tp) mesh with torch's placements: FSDP shards dim 0
+of the TP-local tensor, so (_StridedShard(0, sf=2), Shard(0)) for colwise weights and the
+vocab-sharded embedding / output, (Shard(0), Shard(1)) for rowwise weights, (Shard(0),
+Replicate()) for SP norms (tests/fsdp/test_tp_torch_placements.py checks every parameter
+against torch's fully_shard); the norms TP alone leaves plain become
 Shard(0) DTensors on mesh["dp"], and one AdamW (foreach) steps on both kinds. dp rank r trains rows [2r, 2r+2) of a
 global batch of 4 sequences; the single-process reference trains all 4. The mean of the
 two dp losses is the reference's loss (equal halves), every step.
@@ -17,7 +19,6 @@ atol 1e-5 / rtol 1e-4. A dp piece gathered into the wrong place, a grad not aver
 over dp or a Partial grad not reduced over tp moves most elements by O(lr).
 """
 
-import math
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from plait import comm
 from plait.device_mesh import init_device_mesh
 from plait.fsdp import fully_shard
 from plait.models.llama import parallelize_llama
-from plait.tensor import DTensor, Replicate, Shard
+from plait.tensor import DTensor, Replicate, Shard, _StridedShard
 from plait.testing import distributed
 from tests.models.test_llama_tp import FP32, assert_params_match, build, full, lm_loss, tokens
 
@@ -72,8 +73,8 @@ def test_fsdp_over_tp_trains_like_one_process(sp, tie):
     dp_rank = mesh.get_local_rank("dp")
     model, ref = _fsdp_tp(mesh, sp=sp, tie=tie), build("tiny", tie=tie)
     attn = model.layers["0"].attention
-    assert attn.wq.weight.placements == (Shard(1), Shard(0))  # colwise: dp takes dim 1
-    assert attn.wo.weight.placements == (Shard(0), Shard(1))  # rowwise: dp takes dim 0
+    assert attn.wq.weight.placements == (_StridedShard(0, split_factor=2), Shard(0))  # colwise
+    assert attn.wo.weight.placements == (Shard(0), Shard(1))  # rowwise
     norm = model.layers["0"].ffn_norm.weight  # SequenceParallel makes it a Replicate DTensor on tp
     assert norm.placements == ((Shard(0), Replicate()) if sp else (Shard(0),)), norm.placements
     assert attn.wq.weight.device_mesh.mesh_dim_names == ("dp", "tp")
@@ -122,82 +123,56 @@ def test_fsdp_over_tp_state_dict_round_trip_and_clip_grad_norm():
 def test_fsdp_over_tp_bad_meshes_are_refused_before_anything_is_sent():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_llama(build("tiny"), mesh["tp"], sequence_parallel=False)
-    with pytest.raises(ValueError, match=r"'weight' of Linear is a DTensor on .*slice both from one 2-D mesh"):
+    with pytest.raises(ValueError, match=r"'weight' of Linear is a DTensor on .*slice both from one mesh"):
         fully_shard(model.layers["0"], mesh=mesh["tp"])
-    with pytest.raises(NotImplementedError, match=r"shard_placement_fn asks to shard 'weight' on dim 0"):
-        fully_shard(model.layers["0"].attention.wq, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(0))
-    with pytest.raises(NotImplementedError, match=r"HSDP over tensor parallel"):
-        fully_shard(model.layers["1"], mesh=mesh)
-    bias = torch.nn.Linear(4, 4)
-    from plait.tensor.parallel import ColwiseParallel, parallelize_module
-
-    parallelize_module(bias, mesh["tp"], ColwiseParallel())
-    with pytest.raises(NotImplementedError, match=r"'bias' of shape \(4,\) is sharded by tensor parallel"):
-        fully_shard(bias, mesh=mesh["dp"])
+    with pytest.raises(ValueError, match=r"'weight' of Linear is a DTensor on .*slice both from one mesh"):
+        fully_shard(model.layers["1"], mesh=mesh)  # FSDP's axes must not hold TP's
     x = F.linear(torch.ones(1, 4), torch.ones(4, 4))  # nothing above left a collective pending
     assert x.shape == (1, 4)
 
 
-@distributed([4], timeout=400)
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
-def test_fsdp_over_tp_collectives_per_step(sp):
-    """Per forward + backward, on the dp axis only: one all-gather per block in forward and
-    one in backward, one for the root (kept unsharded after forward), one reduce-scatter
-    per group; each carries the TP-local pieces (an all-gather's output is world x its
-    input). On the tp axis only TP's own collectives (and, under SP, the all-reduce over
-    tp of the norms' Partial gradients)."""
+@distributed([4])
+def test_fsdp_over_tp_shards_dim_0_as_torch_and_shard_placement_fn_picks_another():
+    """A colwise bias (TP shards its only dim) is FSDP-sharded too; shard_placement_fn keeps
+    torch's meaning: its dim is the dp dim, strided where TP shards that dim as well. Uneven
+    sizes (10 rows: 5 per tp rank, cut by dp into 3 + 2); values equal the nested
+    torch.chunk of the global tensor."""
+    from plait.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_coordinate()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 10)
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    parallelize_module(lin, mesh["tp"], ColwiseParallel())
+    fully_shard(lin, mesh=mesh["dp"])
+    assert lin.weight.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    assert lin.bias.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    for param, value in ((lin.weight, w), (lin.bias, b)):
+        tp_piece = value.chunk(2)[t]
+        dp_pieces = tp_piece.chunk(2)
+        mine = dp_pieces[d] if d < len(dp_pieces) else tp_piece[:0]
+        torch.testing.assert_close(param.to_local(), mine, atol=0, rtol=0)
+        torch.testing.assert_close(param.full_tensor(), value, atol=0, rtol=0)
+    row = torch.nn.Linear(4, 6)
+    parallelize_module(row, mesh["tp"], RowwiseParallel())
+    fully_shard(row, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    assert row.weight.placements == (_StridedShard(1, split_factor=2), Shard(1))
+    assert row.bias.placements == (Shard(0), Replicate())
+    col = torch.nn.Linear(4, 6)
+    parallelize_module(col, mesh["tp"], ColwiseParallel())
+    fully_shard(col, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    assert col.weight.placements == (Shard(1), Shard(0))
+
+    # the optimizer's foreach ops run on the strided shards as they are (no collective), and
+    # clip_grad_norm_ reduces their norms (all-reduces only, nothing gathered)
     from plait.debug import CommDebugMode
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh.get_local_rank("dp")
-    model = _fsdp_tp(mesh, sp=sp, tie=False)
-    tok = tokens(0, 4, model.args.vocab_size)[2 * dp_rank:2 * dp_rank + 2]
+    lin(torch.randn(3, 6)).sum().backward()
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2, foreach=True)
     with CommDebugMode() as mode:
-        lm_loss(model(tok[:, :-1]), tok).backward()
-    dp_ranks = tuple(mesh["dp"].mesh.tolist())
-    by_op: dict[str, list] = {}
-    for e in mode.events:
-        if e.group_ranks == dp_ranks:
-            by_op.setdefault(e.op, []).append(e)
-    blocks = len(model.layers)
-    assert len(by_op["all_gather"]) == 2 * blocks + 1, {k: len(v) for k, v in by_op.items()}
-    assert len(by_op["reduce_scatter"]) == blocks + 1, {k: len(v) for k, v in by_op.items()}
-    assert set(by_op) == {"all_gather", "reduce_scatter"}, set(by_op)
-    root = model._plait_fsdp_state.group
-    block_totals = sorted(blk._plait_fsdp_state.group.total for blk in model.layers.values())
-    gathered = sorted(math.prod(e.input_shapes[0]) for e in by_op["all_gather"])
-    assert gathered == sorted([root.total] + 2 * block_totals), (gathered, root.total, block_totals)
-    # what the gather rebuilds is the block's TP-local tensors: global numel / tp for what TP
-    # shards, whole for the rest ("tiny" divides evenly by dp 2 and tp 2: no padding)
-    tp_local = sum(p.numel() // (2 if any(pl.is_shard() for pl in p.placements[1:]) else 1)
-                   for p in model.layers["0"].parameters())
-    assert 2 * block_totals[0] == tp_local, (block_totals, tp_local)
-    tp_only = {e.group_ranks for e in mode.events} - {dp_ranks}
-    assert tp_only == {tuple(mesh["tp"].mesh.tolist())}, tp_only
-
-
-@distributed([4], timeout=400)
-def test_fsdp_over_tp_gradient_accumulation_without_sync():
-    """Two micro-batches per step, set_requires_gradient_sync(False) on the first (TP+SP, so
-    the norms' Partial gradients are moved to Replicate in the accumulation too), 4 steps:
-    the same losses and parameters as the reference on the whole batch (each micro-batch
-    loss halved), tolerances as above."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh.get_local_rank("dp")
-    model, ref = _fsdp_tp(mesh, sp=True, tie=False), build("tiny")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    want, _ = _train(ref, None, steps=4)
-    got = []
-    for step in range(4):
-        tok = tokens(step, 4, model.args.vocab_size)[2 * dp_rank:2 * dp_rank + 2]
-        total = 0.0
-        for micro in range(2):
-            model.set_requires_gradient_sync(micro == 1)
-            loss = lm_loss(model(tok[micro:micro + 1, :-1]), tok[micro:micro + 1]) / 2
-            loss.backward()
-            total += float(full(loss.detach()))
         opt.step()
-        opt.zero_grad()
-        got.append(total)
-    torch.testing.assert_close(_dp_mean(torch.tensor(got), mesh), want, **FP32["loss"])
-    assert_params_match(model, ref, dict(FP32, bound=dict(atol=1e-3, rtol=1e-4)), "accumulated, after 4 steps")
+    assert dict(mode.get_comm_counts()) == {}, mode.get_comm_counts()
+    with CommDebugMode() as mode:
+        torch.nn.utils.clip_grad_norm_(lin.parameters(), 1e-3, foreach=True)
+    assert set(mode.get_comm_counts()) == {"all_reduce"}, mode.get_comm_counts()

@@ -50,8 +50,6 @@ def test_overrides_are_typed_and_minus_one_is_the_rest():
     (2, ["--model.n_layers", "4", "--parallel.pp", "2", "--parallel.pp_schedule", "Looped1F1B",
          "--parallel.virtual_stages", "2", "--parallel.microbatches", "1"],  # a known name, checked
      r"Looped1F1B takes microbatches in rounds of microbatches_per_round\(2\)"),
-    (8, ["--parallel.tp", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
-     r"dp_replicate\(2\) x dp_shard\(2\) with tp\(2\)"),
     (2, ["--parallel.tp", "2", "--training.seq_len", "33"], r"seq_len\(33\) is not divisible by tp\(2\)"),
 ])
 def test_layout_errors_name_the_numbers(world, overrides, message):

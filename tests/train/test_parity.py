@@ -49,6 +49,12 @@ def test_3d_dp_shard_x_tp_x_pp_on_8_ranks():
     check(8, ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp", "2"])
 
 
+def test_hsdp_x_tp_on_8_ranks():
+    """dp_replicate(2) x dp_shard(2) x tp(2): fully_shard on the (dp_replicate, dp_shard) slice
+    of the 4-D root over TP parameters (torch's (Replicate(), _StridedShard(0, sf=2), Shard(0)))."""
+    check(8, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"])
+
+
 @pytest.mark.parametrize("layout", [
     ["--parallel.dp_shard", "2", "--parallel.tp", "2"],                          # FSDP x TP (+SP, loss parallel)
     ["--parallel.dp_shard", "2", "--parallel.pp", "2"],                          # FSDP x PP (1F1B)

@@ -44,7 +44,6 @@ from plait.fsdp.fsdp1.api import (
 )
 from plait.fsdp.param import set_grad
 from plait.tensor import DTensor
-from plait.tensor.placement import chunk_offset
 
 _PREFIX = "_fsdp_wrapped_module."
 _AC_PREFIX = "_checkpoint_wrapped_module."
@@ -158,11 +157,9 @@ def _to_shard(value: torch.Tensor, fp: Any, key: str) -> DTensor:
     """A full tensor (FULL) or this rank's shard (LOCAL) -> a DTensor laid out as fp's."""
     spec = fp.sharded._spec
     local_shape = tuple(fp.local.shape)
-    if tuple(value.shape) == tuple(fp.shape):
-        mesh = spec.mesh
-        axis = mesh.ndim - 1
-        rows, start = chunk_offset(fp.rows, mesh.size(axis), mesh.get_local_rank(axis))
-        value = value.narrow(fp.dim, start, rows)
+    if tuple(value.shape) == tuple(fp.shape):  # this rank's block, whatever the placements (TP too)
+        for d, (size, start) in enumerate(zip(spec.local_shape, spec.local_offset)):
+            value = value.narrow(d, start, size)
     elif tuple(value.shape) != local_shape:
         raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}; expected the full "
                          f"{tuple(fp.shape)} (FULL_STATE_DICT) or this rank's shard {local_shape} "
@@ -343,15 +340,12 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     finally:
         for fp, p in full:
             if writeback and keep:
-                rows, start = chunk_offset(fp.rows, fp.world, _shard_rank(fp))
+                spec, piece = fp.sharded._spec, p.detach()
+                for d, (size, start) in enumerate(zip(spec.local_shape, spec.local_offset)):
+                    piece = piece.narrow(d, start, size)  # this rank's block (over TP too)
                 with torch.no_grad():
-                    fp.local.copy_(p.detach().narrow(fp.dim, start, rows))
+                    fp.local.copy_(piece)
             fp.register(fp.sharded)
-
-
-def _shard_rank(fp: Any) -> int:
-    mesh = fp.sharded._spec.mesh
-    return mesh.get_local_rank(mesh.ndim - 1)
 
 
 __all__ = ["get_state_dict_type", "install", "optim_state_dict", "optim_state_dict_to_load",

@@ -29,7 +29,7 @@ from plait.tensor.ops.registry import (
     partials,
     register,
 )
-from plait.tensor.placement import Partial, Replicate, Shard
+from plait.tensor.placement import Partial, Replicate, Shard, _StridedShard
 from plait.tensor.spec import DTensorSpec
 
 UNARY = """abs acos acosh asin asinh atan atanh bitwise_not ceil cos cosh deg2rad digamma erf erfc
@@ -130,11 +130,27 @@ def strategies(specs: Sequence[DTensorSpec], out_shape: Sequence[int], patterns:
             di = d - (nd - s.ndim)
             ins.append(Shard(di) if di >= 0 and s.shape[di] == out_shape[d] else R)
         options.append((tuple(ins), (Shard(d),) * n_out))
+    for d, sf in _strided_dims(specs, nd):  # FSDP over TP's layout passes through unchanged
+        ins = []
+        for s in specs:
+            di = d - (nd - s.ndim)
+            ins.append(_StridedShard(di, split_factor=sf) if di >= 0 and s.shape[di] == out_shape[d] else R)
+        options.append((tuple(ins), (_StridedShard(d, split_factor=sf),) * n_out))
     kinds = partials(specs) if moves else [Partial(op) for op in partial_ops(specs)]
     for p in kinds:
         for pat in patterns:
             options.append((tuple(p if k in pat else R for k in range(len(specs))), (p,) * n_out))
     return options
+
+
+def _strided_dims(specs: Sequence[DTensorSpec], nd: int) -> list[tuple[int, int]]:
+    """(output dim, split factor) of every _StridedShard among the inputs, once each."""
+    seen = []
+    for s in specs:
+        for p in s.placements:
+            if type(p) is _StridedShard and (p.dim + nd - s.ndim, p.split_factor) not in seen:
+                seen.append((p.dim + nd - s.ndim, p.split_factor))
+    return seen
 
 
 def pointwise_rule(call: OpCall) -> Sharding:

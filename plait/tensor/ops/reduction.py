@@ -24,7 +24,14 @@ import torch
 
 from plait.tensor.ops.foreach import split_by_index
 from plait.tensor.ops.registry import OpCall, Sharding, aten, register
-from plait.tensor.placement import Partial, Replicate, Shard, _NormPartial, local_shape_and_offset
+from plait.tensor.placement import (
+    Partial,
+    Replicate,
+    Shard,
+    _NormPartial,
+    _StridedShard,
+    local_shape_and_offset,
+)
 
 # op -> (kind, position of the dims arg or None for "all dims", position of keepdim)
 KINDS = {
@@ -78,11 +85,12 @@ def reduce_placements(kind: str, call: OpCall, spec, dims: list[int], keepdim: b
     reduced = _partial_of(kind, call)
     ins, outs, partial_axes = [], [], []
     for axis, p in enumerate(spec.placements):
-        if type(p) is Shard:
+        if type(p) is Shard or type(p) is _StridedShard:  # a strided piece is a block too
             if p.dim not in dims:
                 shift = 0 if keepdim else sum(d < p.dim for d in dims)
                 ins.append(p)
-                outs.append(Shard(p.dim - shift))
+                outs.append(Shard(p.dim - shift) if type(p) is Shard
+                            else _StridedShard(p.dim - shift, split_factor=p.split_factor))
             elif reduced is None:
                 ins.append(Replicate())
                 outs.append(Replicate())
@@ -160,7 +168,7 @@ def foreach_norm_rule(call: OpCall) -> Sharding:
         spec = ix.specs[0]
         ins, outs = [], []
         for p in spec.placements:
-            if type(p) is Shard or p == reduced:
+            if type(p) is Shard or type(p) is _StridedShard or p == reduced:
                 ins.append(p)
                 outs.append(reduced)
             elif isinstance(p, Partial):

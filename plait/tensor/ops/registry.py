@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch._ops import OpOverload
 
-from plait.tensor.placement import Partial, Placement, Replicate, Shard
+from plait.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
 from plait.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
@@ -114,7 +114,7 @@ def transition_cost(src: Placement, dst: Placement | None, nbytes: float, n: int
     share = nbytes * (n - 1) / n
     if type(src) is Replicate:
         return 1.0  # a chunk or a zero fill: local
-    if type(src) is Shard:
+    if type(src) is Shard or type(src) is _StridedShard:
         if type(dst) is Replicate:
             return share
         if type(dst) is Shard:

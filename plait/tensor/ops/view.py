@@ -17,7 +17,13 @@ squeeze_, ...) change a tensor's shape under its feet and have no rule.
 from __future__ import annotations
 
 from plait.tensor.ops.registry import OpCall, Sharding, aten, register
-from plait.tensor.placement import Replicate, Shard, chunk_sizes, local_shape_and_offset
+from plait.tensor.placement import (
+    Replicate,
+    Shard,
+    _StridedShard,
+    chunk_sizes,
+    local_shape_and_offset,
+)
 
 
 def view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
@@ -67,17 +73,20 @@ def reshape_placements(call: OpCall, in_shape, out_shape):
         groups = view_groups(in_shape, out_shape)
         owner = {d: g for g in groups for d in g[0]}
     seen: set[int] = set()
+    # a dim a _StridedShard cuts keeps its cuts only where it passes through unchanged;
+    # otherwise the planner gathers the strided axis first (a half-kept pair is no layout)
+    strided = {p.dim for p in spec.placements if type(p) is _StridedShard}
     for axis, p in enumerate(spec.placements):
-        if type(p) is not Shard:
+        if type(p) is not Shard and type(p) is not _StridedShard:
             continue
         d = p.dim
         group = owner.get(d)
-        target = _target(group, d, in_shape, out_shape, mesh_shape[axis], nested=d in seen)
+        target = _target(group, d, in_shape, out_shape, mesh_shape[axis], nested=d in seen or d in strided)
         seen.add(d)
         if target is None:
             ins[axis] = outs[axis] = Replicate()
         else:
-            outs[axis] = Shard(target)
+            outs[axis] = Shard(target) if type(p) is Shard else _StridedShard(target, split_factor=p.split_factor)
     return tuple(ins), tuple(outs)
 
 
@@ -151,7 +160,9 @@ def _permuted(call: OpCall, perm) -> Sharding:
     """Output dim k is input dim perm[k]."""
     spec = call.specs[0]
     where = {d: k for k, d in enumerate(perm)}
-    outs = tuple(Shard(where[p.dim]) if type(p) is Shard else p for p in spec.placements)
+    outs = tuple(Shard(where[p.dim]) if type(p) is Shard else
+                 _StridedShard(where[p.dim], split_factor=p.split_factor) if type(p) is _StridedShard else p
+                 for p in spec.placements)  # a strided piece is a block too: its dims move with it
     return Sharding((None,), (outs,))
 
 
@@ -175,4 +186,5 @@ def permute_rule(call: OpCall) -> Sharding:
     return _permuted(call, [d % nd for d in call.args[1]])
 
 
-__all__ = ["reshape_placements", "view_groups"]
+__all__ = ["permute_rule", "reshape_placements", "reshape_rule", "squeeze_rule", "t_rule", "transpose_rule",
+           "view_groups"]
