@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         config, print_config = parse(argv)
-        from plait.train.trainer import check
+        from plait.train.layout import check
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _, dims = check(config, world)
