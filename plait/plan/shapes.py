@@ -15,6 +15,7 @@ split `n` ways is ceil(size/n) long, the last pieces shorter or empty.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 def chunk(size: int, n: int, rank: int) -> int:
@@ -51,7 +52,8 @@ class Param:
         return chunk(rows, n, rank) * (self.numel // rows if rows else 0)
 
 
-def stages_of(dims, pp_rank: int) -> list[int]:
+@lru_cache(maxsize=4096)
+def stages_of(dims, pp_rank: int) -> tuple[int, ...]:
     """The pipeline stages pp rank `pp_rank` runs, as plait.train places them."""
     if dims.pp == 1:
         return [0]
@@ -59,7 +61,7 @@ def stages_of(dims, pp_rank: int) -> list[int]:
 
     plan = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches,
                           stages_per_rank=dims.virtual_stages if dims.virtual_stages > 1 else None)
-    return sorted(plan.stages_of(pp_rank))
+    return tuple(sorted(plan.stages_of(pp_rank)))
 
 
 def stage_params(args, dims, stage: int, tp_rank: int) -> list[Param]:
