@@ -11,16 +11,20 @@
     -> communication buffers: FSDP's reduce-scatter input (the largest group, unsharded) and
        all-gather input; DDP's gradient buckets (a copy of the grads)
 
-Activations saved per block for T = mb * s tokens (t = tp, T' = T/t under SP, else T;
-h, kv heads, hd head_dim, f the SwiGLU width; 4 bytes each):
-    norms and residual stream      4 * T' * d        (two norm inputs, two norm outputs)
-    projection inputs              2 * T * d         (attention and MLP inputs, gathered under SP)
-    q, k, v and their rotations    2 * T * (h + 2 kv) * hd / t
-    repeated k, v, SDPA output     3 * T * h * hd / t  (+ wo's input, the same again)
-    attention probabilities        mb * h/t * s * s  (CPU SDPA's math path keeps them)
-    SwiGLU                         4 * T * f / t     (w1 and w3 outputs, silu, their product)
+Activations: the tensors autograd saves, as listed by saved_tensors_hooks on the tiny model
+(unique storages, parameters left out); T = mb * s tokens, t = tp, T' = T/t under SP else T,
+h heads, hd head_dim, f the SwiGLU width; float32 unless said:
+    per block    3 T' d   attention_norm's input and x * rstd, ffn_norm's x * rstd
+                 2 T d    the projections' inputs (all-gathered under SP)
+                 5 T h hd / t   q, k and v (k, v repeated to h heads), SDPA's output, wo's input
+                 4 T f / t      w1 and w3 outputs, silu, w2's input
+                 2 T' + T h / t   the norms' rstd, SDPA's logsumexp (CPU's fused kernel: no s x s)
+    per stage    the token ids (int64, first stage); the rotary table slice; on the last stage
+                 the final norm (2 T' d + T d + T'), the logits T V / t, the int64 targets;
+                 TP without SP: one T d more (the output's replicated input)
 A checkpointed block keeps only its input, T' * d; while one recomputes, its full set is
-alive once more. The logits: 3 * T * V / t (logits, log-softmax, their grad).
+alive once more. Peak = parameters + optimizer + max(activations, gradients) + unsharded +
+buffers: activations are freed through backward while the gradients fill in.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.unsharded + self.activations + self.buffers
+        return self.params + self.optimizer + max(self.activations, self.grads) + self.unsharded + self.buffers
 
     def as_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -52,13 +56,27 @@ class Memory:
                 "total": self.total}
 
 
-def block_activations(args, *, tokens: int, mb: int, seq_len: int, tp: int, sp: bool) -> int:
-    """Bytes one block saves for backward for one microbatch (module docstring)."""
-    d, h, kv, hd, f, t = args.dim, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim(), tp
+def block_activations(args, *, tokens: int, tp: int, sp: bool) -> int:
+    """Bytes one block saves for backward for one microbatch of `tokens` tokens."""
+    d, h, hd, f, t = args.dim, args.n_heads, args.head_dim, args.ffn_hidden_dim(), tp
     local = tokens // t if sp else tokens
-    elems = (4 * local * d + 2 * tokens * d + 2 * tokens * (h + 2 * kv) * hd // t
-             + 4 * tokens * h * hd // t + mb * (h // t) * seq_len * seq_len + 4 * tokens * f // t)
+    elems = (3 * local * d + 2 * tokens * d + 5 * tokens * h * hd // t + 4 * tokens * f // t
+             + 2 * local + tokens * h // t)
     return elems * F32
+
+
+def stage_activations(args, *, tokens: int, seq_len: int, tp: int, sp: bool, first: bool, last: bool) -> int:
+    """Bytes a stage saves outside its blocks for one microbatch (module docstring)."""
+    d, t = args.dim, tp
+    local = tokens // t if sp else tokens
+    out = (seq_len * args.head_dim // 2) * F32  # the rotary table's rows for this sequence
+    if first:
+        out += (tokens + tokens // seq_len) * 8  # int64 ids: the (mb, s + 1) window the input views
+    if last:
+        out += (2 * local * d + tokens * d + local + tokens * (args.vocab_size // t)) * F32 + tokens * 8
+        if t > 1 and not sp:
+            out += tokens * d * F32
+    return out
 
 
 @lru_cache(maxsize=4096)
@@ -105,13 +123,13 @@ def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: i
             params += local
             if dims.dp_replicate > 1:
                 buffers += local
-        block = block_activations(args, tokens=tokens, mb=mb, seq_len=seq_len, tp=t, sp=sp)
+        block = block_activations(args, tokens=tokens, tp=t, sp=sp)
         per_block_max = max(per_block_max, block)
         for i in dims.stage_layers[stage]:
             kept = ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0)
             acts += (tokens // t if sp else tokens) * args.dim * F32 if kept else block
-        if stage == dims.num_stages - 1:
-            acts += 3 * tokens * (args.vocab_size // t) * F32
+        acts += stage_activations(args, tokens=tokens, seq_len=seq_len, tp=t, sp=sp, first=stage == 0,
+                                  last=stage == dims.num_stages - 1)
     in_flight = peak_in_flight(dims, c["pp"])
     if stages:
         acts = acts * in_flight // len(stages)  # in-flight microbatches over the rank's stages
