@@ -4,6 +4,7 @@
     plait plan --config tiny --nproc 4 --json            # records: layout, memory_bytes_per_rank,
                                                          # bytes_sent_per_rank, step_seconds, command
     plait plan --config tiny --nproc 4 --rejected        # and every rejected layout, with why
+    plait plan --compare runs/tiny                       # a run's measured figures against the plan
     plait plan pipeline --schedule 1F1B --ranks 4 --microbatches 8   # one schedule, simulated
 
 Options: `--config NAME|FILE.toml` (default tiny), `--nproc N` (required), `--memory-per-rank`
@@ -83,6 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         from plait.pipelining.plan import main as pipeline_main
 
         return pipeline_main(argv)
+    if argv and argv[0] == "--compare":
+        from plait.plan.calibrate import cached
+        from plait.plan.compare import compare, format_rows
+
+        try:
+            if len(argv) != 2:
+                raise ValueError("--compare takes one run folder (a plait train job.dir)")
+            rows, equal = compare(argv[1], cached())
+        except (ValueError, TypeError) as e:
+            print(f"plait plan: {e}", file=sys.stderr)
+            return 2
+        print(format_rows(rows))
+        return 0 if equal else 1
     from plait.plan.planner import plan
     from plait.plan.timing import Hardware
     from plait.train.config import apply_overrides, load

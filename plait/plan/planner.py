@@ -10,6 +10,7 @@ user gave `plait plan` and the layout's `--parallel.*` values.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
 
@@ -85,3 +86,17 @@ def plan(config: JobConfig, world: int, *, hw: Hardware | None = None, memory_li
                      user_overrides=user_overrides) for layout in kept]
     preds.sort(key=lambda p: (not p.fits, p.time.step_s, p.memory.total))
     return preds, rejected
+
+
+def auto_layout(config: JobConfig, world: int) -> tuple[JobConfig, Prediction]:
+    """`plait train --parallel.auto true`: the config with the best layout's values, and its
+    prediction. Ranked with the default Hardware, never a machine's calibration cache, so every
+    rank of a job, on any node, picks the same layout."""
+    preds, rejected = plan(config, world)
+    if not preds:
+        reasons = "; ".join(sorted({r.reason for r in rejected})[:3])
+        raise ValueError(f"--parallel.auto: no layout of {world} ranks fits this config ({reasons})")
+    best = preds[0]
+    chosen = best.layout.config
+    parallel = dataclasses.replace(chosen.parallel, auto=False)
+    return dataclasses.replace(chosen, parallel=parallel), best

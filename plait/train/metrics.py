@@ -61,6 +61,7 @@ class StepRecord:
     step_time_s: float
     peak_memory_mib: float  # max over ranks
     val_loss: float | None = None
+    bytes_sent_by_axis: dict[str, int] | None = None  # rank 0's this step (what plait.plan predicts)
 
 
 class MetricsLogger:

@@ -245,7 +245,8 @@ def train(config: JobConfig) -> TrainResult:
         tps = tokens_per_step / dt
         record = M.StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tps,
                               tokens_per_s_per_rank=tps / world, mfu=tps / world * fpt / peak,
-                              step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val)
+                              step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val,
+                              bytes_sent_by_axis=result.bytes_sent_by_axis[-1])
         result.losses.append(loss)
         log.log(record)
         if checkpointer is not None and ck.interval and step % ck.interval == 0 and step != t.steps:
@@ -301,6 +302,8 @@ def _summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, result: Tra
         ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {M.peak_flops(config.metrics.peak_flops, device_type):.3g} "
                 "FLOP/s per rank (metrics.peak_flops)"),
         ("peak memory", f"{max(r.peak_memory_mib for r in recs):.0f} MiB per rank (max; CPU: peak RSS)"),
+        ("bytes sent", ", ".join(f"{k or 'none'} {v:,}" for k, v in (recs[-1].bytes_sent_by_axis or {}).items())
+         + " per step (this rank's last; plait plan --compare predicts them)"),
     ]
     if config.compile.enabled:
         rows.append(("graph breaks", str(result.graph_breaks)))

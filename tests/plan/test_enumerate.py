@@ -60,3 +60,16 @@ def test_the_train_command_parses_back_to_the_same_layout():
         assert check(config, 4)[1] == layout.dims
         assert config.activation_checkpoint.mode == layout.choice.ac_mode
         assert config.training.steps == 5
+
+
+def test_train_auto_takes_the_planners_best(monkeypatch, capsys):
+    from plait.plan.planner import plan
+    from plait.train.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--config", "tiny", "--parallel.auto", "true", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    best = plan(load("tiny"), 4)[0][0]
+    assert f"--parallel.auto chose {best.layout.choice.describe()} of 4 ranks" in out
+    assert f"dp_replicate = {best.layout.dims.dp_replicate}" in out and "auto = false" in out
