@@ -22,7 +22,8 @@ s seq_len, d dim, t tp; fp32 throughout, as plait train runs):
     reduce-scatters, backward the same; a recomputed block (AC) 2 all-gathers and 1
     reduce-scatter more (the recompute stops after the last saved tensor: w2's reduce-scatter
     never reruns); embedding a reduce-scatter forward and an all-gather backward; output the
-    reverse. Per step, the SP norms' Partial grads: an all-reduce of d * 4 per norm.
+    reverse. Per step, the SP norms' Partial grads: an all-reduce of d * 4 per norm (per
+    microbatch with FSDP under a pipeline: its accumulation makes each microbatch's Replicate).
   TP alone, Y = 2(t-1)/t * mb * s * d * 4: per block 2 all-reduces forward, 2 backward, 1 per
     recomputed block; embedding one forward; output one backward.
   loss_parallel (last stage, t > 1), per microbatch: 3 all-reduces of mb * s floats; without
@@ -123,9 +124,10 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
             elif last:  # the logits gathered on the vocabulary dim
                 mb_bytes += all_gather(t, tok * (args.vocab_size // t) * f4, backend=backend)
             add(("tp",), m * mb_bytes)
-            if sp:  # the SequenceParallel norms' Partial grads, once per step
-                norms = 2 * len(layers) + last
-                add(("tp",), norms * all_reduce(t, d * f4))
+            if sp:  # the SequenceParallel norms' Partial grads: once per step, or per microbatch
+                norms = 2 * len(layers) + last  # where FSDP under a pipeline accumulates them
+                times = m if n > 1 and dims.pp > 1 else 1
+                add(("tp",), times * norms * all_reduce(t, d * f4))
         # pipeline p2p, per microbatch
         if dims.pp > 1:
             act = mb * (s // t if sp else s) * d * f4

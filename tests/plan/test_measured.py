@@ -56,6 +56,13 @@ LAYOUTS = {
     "tp2_pp2": (4, ["--parallel.dp_shard", "1", "--parallel.tp", "2", "--parallel.pp", "2"]),
     "ddp2_pp2": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--parallel.pp", "2"]),
     "ddp2_tp2": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--parallel.tp", "2"]),
+    "pp2_gpipe": (2, ["--parallel.dp_shard", "1", "--parallel.pp", "2", "--parallel.pp_schedule", "GPipe",
+                      "--parallel.microbatches", "4"]),
+    "tp2_ac_every": (2, ["--parallel.dp_shard", "1", "--parallel.tp", "2", "--activation_checkpoint.mode", "every"]),
+    # uneven: dim 64 rows over 3 ranks pad to 66; 2(n-1)/n of the buckets is not an integer
+    "fsdp3_uneven": (3, ["--parallel.dp_shard", "3", "--training.batch_size", "6"]),
+    "ddp3": (3, ["--parallel.dp_replicate", "3", "--parallel.dp_shard", "1", "--training.batch_size", "6"]),
+    "fsdp2_tp2_pp2": (8, ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp", "2"]),
 }
 
 
