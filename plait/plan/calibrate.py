@@ -1,7 +1,9 @@
 """`plait plan --calibrate`: measure this machine's FLOP rate and Gloo collective cost, cache it.
 
-    matmul at the model's shapes ((b*s, d) @ (d, ffn), fp32, one thread per rank as the pool
-    runs) -> FLOP/s;  2 processes on Gloo: all-reduce of 4 bytes (latency) and of 4 MiB
+    one of the model's blocks, forward and backward at a rank's microbatch shape (b, s, d), fp32,
+    one thread (as plait's ranks run on a shared CPU) -> its FLOPs (timing.py's count) over the
+    time: an effective FLOP/s that includes the per-op overhead a pure matmul would not (the
+    matmul's own rate is kept too, as matmul_flop_rate);  2 processes on Gloo: all-reduce of 4 bytes (latency) and of 4 MiB
     (bandwidth: bytes sent per rank, 2(n-1)/n * S, over the time) -> Hardware
     -> JSON at $PLAIT_CACHE_DIR or ~/.cache/plait/plan-calibration.json, reused next time
 
@@ -45,6 +47,24 @@ def matmul_flop_rate(tokens: int, dim: int, hidden: int, *, budget_s: float = 5.
     return 2 * tokens * dim * hidden / _timed(lambda: a @ b, budget_s)
 
 
+def block_flop_rate(args, *, batch: int, seq_len: int, budget_s: float = 5.0) -> float:
+    """FLOPs of one block's forward + backward (6 * params + attention, per token) over its time."""
+    import torch
+
+    from plait.models.llama.model import TransformerBlock, rope_table
+
+    torch.set_num_threads(1)
+    block = TransformerBlock(0, args)
+    rope = rope_table(args.head_dim, seq_len, args.rope_theta)
+    x = torch.randn(batch, seq_len, args.dim, requires_grad=True)
+
+    def step() -> None:
+        block(x, rope).sum().backward()
+
+    per_token = 6 * sum(p.numel() for p in block.parameters()) + 12 * args.n_heads * args.head_dim * seq_len
+    return batch * seq_len * per_token / _timed(step, budget_s)
+
+
 def _worker(rank: int, path: str, out: str, budget_s: float) -> None:
     import torch
     import torch.distributed as dist
@@ -74,13 +94,13 @@ def collective_cost(*, budget_s: float = 15.0) -> tuple[float, float]:
     return found["latency"], found["bandwidth"]
 
 
-def calibrate(args, *, tokens: int, refresh: bool = True) -> Hardware:
+def calibrate(args, *, batch: int, seq_len: int, refresh: bool = True) -> Hardware:
     """Measure (or, refresh False, read the cache when it exists) and cache."""
     path = cache_path()
     if not refresh and path.exists():
         return Hardware(**{**json.loads(path.read_text()), "source": f"cache {path}"})
     t0 = time.perf_counter()
-    rate = matmul_flop_rate(tokens, args.dim, args.ffn_hidden_dim(), budget_s=DEADLINE_S / 6)
+    rate = block_flop_rate(args, batch=max(1, batch), seq_len=seq_len, budget_s=DEADLINE_S / 6)
     left = DEADLINE_S - (time.perf_counter() - t0) - 8.0  # process start-up takes seconds
     latency, bandwidth = collective_cost(budget_s=max(1.0, left))
     hw = Hardware(flop_rate=rate, bandwidth=bandwidth, latency=latency, source="calibrated")

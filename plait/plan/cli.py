@@ -10,7 +10,10 @@
 Options: `--config NAME|FILE.toml` (default tiny), `--nproc N` (required), `--memory-per-rank`
 (e.g. 2GiB, 512MiB, 1e9; layouts over it rank last, marked), `--calibrate` (measure FLOP/s
 and Gloo cost here, at most 30 s, cached; later runs reuse the cache), `--json`, `--top K`
-(default 10), `--rejected`; then any `--section.key value`, as `plait train` takes them.
+(default 10), `--rejected`; then any `--section.key value`, as `plait train` takes them. The
+layout's own values (`--parallel.dp_replicate/dp_shard/tp/pp/pp_schedule/microbatches/
+virtual_stages/sequence_parallel`, `--activation_checkpoint.mode`) are what it enumerates; every
+other override applies to all layouts (batch, sequence, model size).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts["calibrate"]:
             from plait.plan.calibrate import calibrate
 
-            hw = calibrate(args, tokens=config.training.batch_size * config.training.seq_len // opts["nproc"] or 1)
+            hw = calibrate(args, batch=config.training.batch_size // opts["nproc"], seq_len=config.training.seq_len)
         else:
             from plait.plan.calibrate import cached
 

@@ -14,7 +14,9 @@ pipeline's bubble from the schedule simulator (torch-free).
 
 Defaults (no --calibrate): 5e10 FLOP/s per rank (fp32 matmuls on a few CPU cores), Gloo
 1e9 B/s and 50 us per collective on one host, overlap 0.5. `--calibrate` measures the first
-three on this machine (calibrate.py).
+three on this machine (calibrate.py): the FLOP rate as one block's forward + backward runs it,
+per-op overhead included. Not modelled: DTensor's dispatch overhead per op under TP, which on
+the tiny model dominates a TP step (tests/plan's figures: TP steps 5-10x the prediction).
 """
 
 from __future__ import annotations
