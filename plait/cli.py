@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("plait.generate", "sample text from a checkpoint of `plait train`"),
     "plot": ("plait.plot", "draw a run's metrics.jsonl (loss, throughput) to an image"),
     "run": ("plait.run", "launch a distributed job (torchrun's flags)"),
-    "plan": ("plait.pipelining.plan", "check and simulate a pipeline schedule, draw its timeline"),
+    "plan": ("plait.plan.cli", "choose the N-D layout (memory, bytes, step time per rank); `plan pipeline`: a schedule"),
     "debug": ("plait.debug.cli", "analyze flight-recorder dumps of a hung job"),
     "checkpoint": ("plait.checkpoint.tools", "inspect, verify, consolidate or import (torch DCP) a checkpoint"),
 }

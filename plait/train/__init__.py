@@ -7,9 +7,23 @@
 Layers: `config` (TOML + overrides) -> `layout` (dims checked, the named mesh) -> `parallelize`
 (TP -> activation checkpointing -> compile -> FSDP, pipeline stages) -> `trainer` (the loop)
 with `metrics`; over `plait.data.text` (corpus, tokenizer, windows) and `plait.models.llama`.
+The config and layout modules import no torch (`plait plan` reads them and starts fast), so
+the names below are imported on first use.
 """
 
-from plait.train.config import JobConfig, apply_overrides, from_dict, load
-from plait.train.trainer import TrainResult, check, train
+from __future__ import annotations
 
-__all__ = ["JobConfig", "TrainResult", "apply_overrides", "check", "from_dict", "load", "train"]
+import importlib
+from typing import Any
+
+_EXPORTS = {"JobConfig": "plait.train.config", "apply_overrides": "plait.train.config",
+            "from_dict": "plait.train.config", "load": "plait.train.config",
+            "check": "plait.train.layout", "TrainResult": "plait.train.trainer", "train": "plait.train.trainer"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'plait.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -4,7 +4,8 @@
     plait train --config tiny --print-config          # the resolved config, as TOML
 
 Arguments: `--config NAME|FILE.toml` (default: tiny), `--print-config`, `--compile` (short for
-`--compile.enabled`), then any `--section.key value`. The config and the layout are checked
+`--compile.enabled`), then any `--section.key value`; `--parallel.auto true` replaces the layout
+with `plait plan`'s best for WORLD_SIZE (printed before training starts). The config and the layout are checked
 against WORLD_SIZE before the process group starts, so a wrong layout fails at once on every
 rank with the numbers. Without a launcher (no RANK in the environment) it trains in one process.
 """
@@ -56,9 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         config, print_config = parse(argv)
-        from plait.train.trainer import check
+        from plait.train.layout import check
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if config.parallel.auto:
+            from plait.plan.planner import auto_layout
+
+            config, best = auto_layout(config, world)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"plait train: --parallel.auto chose {best.layout.choice.describe()} of {world} ranks "
+                      f"(plait plan: {best.time.step_s * 1e3:.2f} ms/step, {best.memory.total / 2**20:.1f} MiB/rank): "
+                      + " ".join(best.layout.choice.overrides()), flush=True)
         _, dims = check(config, world)
     except (ValueError, TypeError) as e:
         print(f"plait train: {e}", file=sys.stderr)

@@ -69,6 +69,7 @@ class Parallel:
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty: even split
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    auto: bool = False  # plait train: take plait plan's best layout for the world size (printed first)
 
 
 @dataclass

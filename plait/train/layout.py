@@ -1,5 +1,5 @@
 """The parallel layout: resolve and check the dims before any process group exists, then build
-the one named N-D mesh.
+the one named N-D mesh. Everything but `build_meshes` is torch-free (plait.plan calls it).
 
     Parallel section + world_size + ModelArgs --resolve()--> ParallelDims (every check here,
         pure: no process group, no tensor) --build_meshes()--> TrainMeshes
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.models.llama import ModelArgs
-from plait.train.config import Parallel, Training
+from plait.models.llama.args import CONFIGS, ModelArgs
+from plait.train.config import JobConfig, Parallel, Training
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -63,6 +63,30 @@ class ParallelDims:
         cp = f"cp({self.cp}) x " if self.cp > 1 else ""
         return (f"dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x {cp}tp({self.tp}) x "
                 f"pp({self.pp}) = {self.world_size} ranks")
+
+
+def model_args(config: JobConfig) -> ModelArgs:
+    """The Llama config named by model.name, with the section's overrides, the tokenizer's
+    vocabulary and room for training.seq_len."""
+    m = config.model
+    if m.name not in CONFIGS:
+        raise ValueError(f"model.name {m.name!r} is not a plait.models.llama config: {sorted(CONFIGS)}")
+    changes: dict[str, object] = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+                                  if getattr(m, k)}
+    vocab = 256 if config.data.tokenizer == "byte" else config.data.vocab_size
+    base = CONFIGS[m.name]
+    return base.replace(**changes, vocab_size=vocab, tie_embeddings=m.tie_embeddings,
+                        max_seq_len=max(base.max_seq_len, config.training.seq_len))
+
+
+def check(config: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
+    """Every check that needs no process group: the model, the layout, the schedule."""
+    t = config.training
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"training.{name} must be >= 1, got {getattr(t, name)}")
+    args = model_args(config)
+    return args, resolve(config.parallel, t, args, world_size)
 
 
 def resolve(parallel: Parallel, training: Training, args: ModelArgs, world_size: int) -> ParallelDims:

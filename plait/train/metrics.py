@@ -61,6 +61,7 @@ class StepRecord:
     step_time_s: float
     peak_memory_mib: float  # max over ranks
     val_loss: float | None = None
+    bytes_sent_by_axis: dict[str, int] | None = None  # rank 0's this step (what plait.plan predicts)
 
 
 class MetricsLogger:
@@ -101,6 +102,36 @@ class MetricsLogger:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # the world mesh's, outermost first
+
+
+def axis_label(group_ranks: tuple[int, ...] | list[int], dims) -> str:
+    """The mesh axes a group spans, "+"-joined ("tp", "dp_replicate+dp_shard", ...): those along
+    which its global ranks' (pp, dp_replicate, dp_shard, tp) coordinates differ. "" for one rank."""
+    sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+
+    def coords(r: int) -> tuple[int, ...]:
+        out = []
+        for n in reversed(sizes):  # row-major: tp fastest
+            out.append(r % n)
+            r //= n
+        return tuple(reversed(out))
+
+    cs = [coords(r) for r in group_ranks]
+    return "+".join(a for i, a in enumerate(AXES) if len({c[i] for c in cs}) > 1)
+
+
+def bytes_by_axis(events, dims) -> dict[str, int]:
+    """This rank's bytes sent, summed per axis label, from plait.comm events (sends only: a
+    recv sends nothing; a group of one sends nothing and is left out)."""
+    out: dict[str, int] = {}
+    for e in events:
+        if e.bytes_sent:
+            label = axis_label(e.group_ranks, dims)
+            out[label] = out.get(label, 0) + int(e.bytes_sent)
+    return out
 
 
 def summary_table(rows: list[tuple[str, str]]) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from plait import comm
 from plait.data.text import TokenWindows, build_corpus
-from plait.models.llama import CONFIGS, ModelArgs, Transformer
+from plait.models.llama import ModelArgs, Transformer
 from plait.tensor import DTensor, Replicate
 from plait.train import metrics as M
 from plait.train.checkpointing import (
@@ -37,7 +37,7 @@ from plait.train.checkpointing import (
 )
 from plait.train.config import JobConfig
 from plait.train.data import BatchStream, val_batches
-from plait.train.layout import ParallelDims, build_meshes, resolve
+from plait.train.layout import ParallelDims, build_meshes, check, model_args  # noqa: F401 (re-exported)
 from plait.train.parallelize import PipelineParts, build_parts, lm_loss
 
 
@@ -49,30 +49,9 @@ class TrainResult:
     records: list[M.StepRecord] = field(default_factory=list)
     graph_breaks: int = 0
     summary: str = ""
-
-
-def model_args(config: JobConfig) -> ModelArgs:
-    """The Llama config named by model.name, with the section's overrides, the tokenizer's
-    vocabulary and room for training.seq_len."""
-    m = config.model
-    if m.name not in CONFIGS:
-        raise ValueError(f"model.name {m.name!r} is not a plait.models.llama config: {sorted(CONFIGS)}")
-    changes: dict[str, object] = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-                                  if getattr(m, k)}
-    vocab = 256 if config.data.tokenizer == "byte" else config.data.vocab_size
-    base = CONFIGS[m.name]
-    return base.replace(**changes, vocab_size=vocab, tie_embeddings=m.tie_embeddings,
-                        max_seq_len=max(base.max_seq_len, config.training.seq_len))
-
-
-def check(config: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
-    """Every check that needs no process group: the model, the layout, the schedule."""
-    t = config.training
-    for name in ("steps", "batch_size", "seq_len"):
-        if getattr(t, name) < 1:
-            raise ValueError(f"training.{name} must be >= 1, got {getattr(t, name)}")
-    args = model_args(config)
-    return args, resolve(config.parallel, t, args, world_size)
+    # per step run here, this rank's bytes sent by mesh axis (plait.plan's labels: the axes
+    # of size > 1 a group spans, "+"-joined), counted at plait.comm's door by CommDebugMode
+    bytes_sent_by_axis: list[dict[str, int]] = field(default_factory=list)
 
 
 def _lr_lambda(config: JobConfig):
@@ -241,8 +220,11 @@ def train(config: JobConfig) -> TrainResult:
 
     tokens_per_step = t.batch_size * t.seq_len
     wall0 = time.perf_counter()
+    from plait.debug import CommDebugMode
+
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
+        counter = CommDebugMode().__enter__()  # the step's traffic, what plait.plan predicts
         batch = next(stream)
         local_loss = _forward_backward(parts, batch, train=True, cp_mesh=meshes.cp)
         reduce_partial_grads(params)
@@ -264,6 +246,8 @@ def train(config: JobConfig) -> TrainResult:
         dt = time.perf_counter() - t0
         mem = torch.tensor(float(M.peak_memory_bytes(device_type)))
         comm.all_reduce(mem, group=comm.world_group(), op="max")
+        counter.__exit__(None, None, None)
+        result.bytes_sent_by_axis.append(M.bytes_by_axis(counter.events, dims))
         val = None
         every = config.metrics.val_every
         if held_out and ((every and step % every == 0) or step == t.steps):
@@ -272,7 +256,8 @@ def train(config: JobConfig) -> TrainResult:
         tps = tokens_per_step / dt
         record = M.StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tps,
                               tokens_per_s_per_rank=tps / world, mfu=tps / world * fpt / peak,
-                              step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val)
+                              step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val,
+                              bytes_sent_by_axis=result.bytes_sent_by_axis[-1])
         result.losses.append(loss)
         log.log(record)
         if checkpointer is not None and ck.interval and step % ck.interval == 0 and step != t.steps:
@@ -329,6 +314,8 @@ def _summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, result: Tra
         ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {M.peak_flops(config.metrics.peak_flops, device_type):.3g} "
                 "FLOP/s per rank (metrics.peak_flops)"),
         ("peak memory", f"{max(r.peak_memory_mib for r in recs):.0f} MiB per rank (max; CPU: peak RSS)"),
+        ("bytes sent", ", ".join(f"{k or 'none'} {v:,}" for k, v in (recs[-1].bytes_sent_by_axis or {}).items())
+         + " per step (this rank's last; plait plan --compare predicts them)"),
     ]
     if config.compile.enabled:
         rows.append(("graph breaks", str(result.graph_breaks)))

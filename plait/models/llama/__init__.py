@@ -10,9 +10,21 @@ FQNs follow torchtitan (`tok_embeddings`, `layers.{i}.attention.wq`, `layers.{i}
 `norm`, `output`), so plans and checkpoints written for torchtitan's Llama apply.
 """
 
-from plait.models.llama.args import CONFIGS, ModelArgs
-from plait.models.llama.model import Attention, FeedForward, Transformer, TransformerBlock
-from plait.models.llama.parallelize import check_tp_degree, parallelize_llama, tp_plan
+from __future__ import annotations
 
-__all__ = ["CONFIGS", "Attention", "FeedForward", "ModelArgs", "Transformer", "TransformerBlock",
-           "check_tp_degree", "parallelize_llama", "tp_plan"]
+import importlib
+from typing import Any
+
+# `args` imports no torch (the planner reads ModelArgs and CONFIGS): the rest on first use
+from plait.models.llama.args import CONFIGS, ModelArgs
+
+_EXPORTS = {"Attention": "model", "FeedForward": "model", "Transformer": "model", "TransformerBlock": "model",
+            "check_tp_degree": "parallelize", "parallelize_llama": "parallelize", "tp_plan": "parallelize"}
+
+__all__ = ["CONFIGS", "ModelArgs", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'plait.models.llama' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"plait.models.llama.{_EXPORTS[name]}"), name)

@@ -1,0 +1,113 @@
+"""The cost model's formulas on hand-computed cases (pure: no process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.plan.layouts import enumerate_layouts
+from plait.plan.memory import memory_per_rank
+from plait.plan.shapes import chunk, stage_params
+from plait.plan.timing import Hardware, step_time
+from plait.plan.traffic import all_gather, all_reduce, bytes_per_step
+from plait.train.config import apply_overrides, load
+from plait.train.layout import check
+
+
+def _dims(world, overrides):
+    config = apply_overrides(load("tiny"), overrides)
+    return config, *check(config, world)
+
+
+def test_chunk_matches_torch_chunk():
+    assert [chunk(10, 4, r) for r in range(4)] == [3, 3, 3, 1]
+    assert [chunk(5, 4, r) for r in range(4)] == [2, 2, 1, 0]  # torch.chunk leaves the last empty
+
+
+def test_ring_counts():
+    assert all_reduce(4, 8) == 12 and all_reduce(1, 100) == 0
+    assert all_gather(2, 100) == 100
+    assert all_gather(2, 32 << 20) == all_reduce(2, 64 << 20)  # Gloo's all-reduce form past 32 MiB
+
+
+def test_tp_sp_by_hand():
+    """tiny, tp 2 + SP, batch 8 x 32 tokens, dim 64: X = (2-1) * 8 * 16 * 64 * 4 = 32768 bytes per
+    all-gather / reduce-scatter; 2 blocks x 8, embedding 2, output 2: 20 X; loss_parallel 3 x 1024;
+    SP norms 5 x 256; the trainer's scalars 8 + 8 + 4."""
+    config, args, dims = _dims(2, ["--parallel.dp_shard", "1", "--parallel.tp", "2"])
+    got = bytes_per_step(args, dims, seq_len=32, batch_size=8, global_rank=0)
+    assert got == {"tp": 20 * 32768 + 3 * 1024 + 5 * 256 + 20}
+
+
+def test_fsdp_pads_uneven_shards():
+    """dp_shard 3 over dim 64 rows: ceil(64/3) = 22 rows per rank, 66 padded; the group's
+    all-gather input is the padded sum on every rank."""
+    config, args, dims = _dims(3, ["--parallel.dp_shard", "3", "--training.batch_size", "6"])
+    block = [p for p in stage_params(args, dims, 0, 0) if p.block == 0]
+    padded = sum(p.fsdp_padded(3) for p in block)
+    real = sum(p.numel for p in block)
+    assert padded * 3 > real and sum(p.fsdp_local(3, r) for p in block for r in range(3)) == real
+    got = bytes_per_step(args, dims, seq_len=32, batch_size=6, global_rank=1)
+    root = sum(p.fsdp_padded(3) for p in stage_params(args, dims, 0, 0) if p.block is None)
+    fsdp = 2 * (3 * 2 * padded * 4) + 2 * root * 4 * 2  # blocks: 2 gathers + 1 RS; root: 1 + 1
+    assert got["dp_shard"] == fsdp + 2 * all_reduce(3, 8) + all_reduce(3, 4)
+
+
+@pytest.mark.parametrize("overrides,world", [
+    (["--parallel.dp_shard", "4"], 4), (["--parallel.dp_shard", "2", "--parallel.tp", "2"], 4),
+    (["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 4)])
+def test_sharded_state_sums_to_the_model(overrides, world):
+    """FSDP shards sum over the dp ranks to the TP-local parameters; TP pieces sum to the model
+    (plus the norms each tp rank holds whole)."""
+    config, args, dims = _dims(world, overrides)
+    total = sum(memory_per_rank(args, dims, seq_len=32, batch_size=8, global_rank=r).params
+                for r in range(world)) // 4
+    replicas = dims.dp_replicate
+    norms = (2 * args.n_layers + 1) * args.dim * (dims.tp - 1)
+    assert total == replicas * (args.num_params() + norms)
+
+
+def test_checkpointing_trades_activations_for_compute():
+    config, args, dims = _dims(2, ["--parallel.dp_shard", "2"])
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    plain, full = (memory_per_rank(args, dims, ac_mode=m, **kw) for m in ("none", "full"))
+    assert full.activations < plain.activations and full.params == plain.params
+    hw = Hardware()
+    t_plain, t_full = (step_time(args, dims, {}, hw, ac_mode=m, **kw) for m in ("none", "full"))
+    assert t_full.compute_s == pytest.approx(t_plain.compute_s * 8 / 6, rel=0.05)
+
+
+def test_pipeline_bubble_from_the_simulator():
+    """1F1B, p = 2, m = 2 at unit costs: bubble (p-1)/(m+p-1) = 1/3."""
+    config, args, dims = _dims(2, ["--parallel.dp_shard", "1", "--parallel.pp", "2"])
+    t = step_time(args, dims, {}, Hardware(), seq_len=32, batch_size=8, global_rank=0)
+    assert t.bubble == pytest.approx(1 / 3)
+
+
+def test_plan_cli_json_records(capsys):
+    from plait.plan.cli import main
+
+    assert main(["--config", "tiny", "--nproc", "2", "--json", "--top", "3", "--memory-per-rank", "2GiB"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert len(records) == 3
+    for r in records:
+        assert {"layout", "memory_bytes_per_rank", "bytes_sent_per_rank", "step_seconds", "command"} <= set(r)
+        assert r["fits"] and r["command"].startswith("plait run --standalone --nproc-per-node 2")
+    assert records[0]["step_seconds"] <= records[-1]["step_seconds"]
+
+
+def test_plan_cli_table_and_pipeline_topic(capsys):
+    from plait.cli import main
+
+    assert main(["plan", "--config", "tiny", "--nproc", "4", "--top", "2", "--rejected"]) == 0
+    out = capsys.readouterr().out
+    assert "best:" in out and "plait run --standalone --nproc-per-node 4" in out and "n_layers(2)" in out
+    assert main(["plan", "pipeline", "--schedule", "1F1B", "--ranks", "2", "--microbatches", "4"]) == 0
+    assert "bubble" in capsys.readouterr().out
+    assert main(["plan", "--config", "tiny"]) == 2  # --nproc missing
+
+
+def test_enumeration_counts_are_stable():
+    kept, rejected = enumerate_layouts(load("tiny"), 1)
+    assert [k.choice.ac_mode for k in kept] == ["none", "full", "every"] and not rejected
