@@ -67,11 +67,11 @@ def measure(config) -> dict:
         parts.append(build(*args, **kwargs))
         return parts[-1]
 
-    def traced(p, batch, *, train: bool):
+    def traced(p, batch, *, train: bool, **kwargs):
         if not train:
-            return forward_backward(p, batch, train=train)
+            return forward_backward(p, batch, train=train, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            return forward_backward(p, batch, train=train)
+            return forward_backward(p, batch, train=train, **kwargs)
 
     with mock.patch.object(trainer, "build_parts", build_parts), \
             mock.patch.object(trainer, "_forward_backward", traced), mock.patch.object(torch.optim, "AdamW", RecordedAdamW):
