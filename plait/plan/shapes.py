@@ -110,10 +110,12 @@ def fsdp_groups(params: list[Param]) -> list[list[Param]]:
 
 
 def rank_coords(dims, global_rank: int) -> dict[str, int]:
-    """(pp, dp_replicate, dp_shard, tp) coordinates of a global rank (row-major, tp fastest)."""
+    """(pp, dp_replicate, dp_shard, cp, tp) coordinates of a global rank (row-major, tp fastest),
+    with "fsdp": the rank's index on the flattened ("dp_shard", "cp") axis FSDP shards over."""
     out, r = {}, global_rank
-    for name, n in (("tp", dims.tp), ("dp_shard", dims.dp_shard), ("dp_replicate", dims.dp_replicate),
-                    ("pp", dims.pp)):
+    for name, n in (("tp", dims.tp), ("cp", dims.cp), ("dp_shard", dims.dp_shard),
+                    ("dp_replicate", dims.dp_replicate), ("pp", dims.pp)):
         out[name] = r % n
         r //= n
+    out["fsdp"] = out["dp_shard"] * dims.cp + out["cp"]
     return out

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 from plait.plan.shapes import fsdp_groups, rank_coords, stage_params, stages_of
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 GLOO_ALL_GATHER_NATIVE_MAX = 32 << 20  # plait.comm.algorithms.DEFAULT_TABLE (Gloo)
 DDP_FIRST_BUCKET, DDP_BUCKET = 1 << 20, 25 << 20  # plait.ddp.buckets' defaults
 
 
 def label(dims, axes: tuple[str, ...]) -> str:
-    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+             "tp": dims.tp}
     return "+".join(a for a in AXES if a in axes and sizes[a] > 1)
 
 
@@ -80,10 +81,10 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
             out[key] = out.get(key, 0) + int(nbytes)
 
     c = rank_coords(dims, global_rank)
-    t, n, R, f4 = dims.tp, dims.dp_shard, dims.dp_replicate, 4
+    t, n, R, cp, f4 = dims.tp, dims.dp_shard * dims.cp, dims.dp_replicate, dims.cp, 4
     m = dims.microbatches if dims.pp > 1 else 1
     mb = batch_size // dims.dp // m
-    d, s = args.dim, seq_len
+    d, s = args.dim, seq_len // cp  # s: the tokens of a sequence this rank holds
     sp = dims.sequence_parallel and t > 1
     for stage in stages_of(dims, c["pp"]):
         params = stage_params(args, dims, stage, c["tp"])
@@ -94,8 +95,8 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
             for group in fsdp_groups(params):
                 piece = sum(p.fsdp_padded(n) for p in group) * f4
                 gathers = 1 if dims.pp > 1 or group[0].block is None else 2
-                add(("dp_shard",), gathers * all_gather(n, piece, backend=backend))
-                add(("dp_shard",), reduce_scatter(n, piece))
+                add(("dp_shard", "cp"), gathers * all_gather(n, piece, backend=backend))
+                add(("dp_shard", "cp"), reduce_scatter(n, piece))
                 if R > 1:
                     add(("dp_replicate",), all_reduce(R, piece))
         elif R > 1:
@@ -128,6 +129,12 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
                 norms = 2 * len(layers) + last  # where FSDP under a pipeline accumulates them
                 times = m if n > 1 and dims.pp > 1 else 1
                 add(("tp",), times * norms * all_reduce(t, d * f4))
+        # context parallel: ring attention (allgather rotation) per attention call, per microbatch
+        if cp > 1:
+            kv = 2 * mb * (args.n_heads // t) * s * args.head_dim * f4  # K, V repeated to the heads, packed
+            gathers = sum(2 + _checkpointed(i, ac_mode, ac_every) for i in layers)  # fwd, bwd, recompute
+            add(("cp",), m * (gathers * all_gather(cp, kv, backend=backend)
+                              + len(layers) * reduce_scatter(cp, kv)))  # bwd: dK/dV home
         # pipeline p2p, per microbatch
         if dims.pp > 1:
             act = mb * (s // t if sp else s) * d * f4

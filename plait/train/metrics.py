@@ -104,13 +104,13 @@ class MetricsLogger:
             self._file.close()
 
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # the world mesh's, outermost first
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the world mesh's, outermost first
 
 
 def axis_label(group_ranks: tuple[int, ...] | list[int], dims) -> str:
     """The mesh axes a group spans, "+"-joined ("tp", "dp_replicate+dp_shard", ...): those along
-    which its global ranks' (pp, dp_replicate, dp_shard, tp) coordinates differ. "" for one rank."""
-    sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+    which its global ranks' (pp, dp_replicate, dp_shard, cp, tp) coordinates differ. "" for one rank."""
+    sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, getattr(dims, "cp", 1), dims.tp)
 
     def coords(r: int) -> tuple[int, ...]:
         out = []
