@@ -1,6 +1,6 @@
 """Every layout of N ranks, each kept or rejected by plait.train's own rules (torch-free).
 
-    JobConfig + N -> candidates: ordered factorizations N = pp * dp_replicate * dp_shard * tp,
+    JobConfig + N -> candidates: ordered factorizations N = pp * dp_replicate * dp_shard * cp * tp,
     x (pp > 1) each schedule with its stages per rank (1, or 2 for the multi-stage ones) and
     microbatches in {stages, 2 * stages}, x sequence parallel on/off (tp > 1), x AC none|full|every
     -> plait.train.layout.check(config with those values, N): ParallelDims, or the ValueError
@@ -34,11 +34,12 @@ class Choice:
     virtual_stages: int
     sequence_parallel: bool
     ac_mode: str
+    cp: int = 1
 
     def overrides(self) -> list[str]:
         """The command-line overrides that select it."""
         out = ["--parallel.dp_replicate", str(self.dp_replicate), "--parallel.dp_shard", str(self.dp_shard),
-               "--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp)]
+               "--parallel.cp", str(self.cp), "--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp)]
         if self.pp > 1:
             out += ["--parallel.pp_schedule", self.pp_schedule, "--parallel.microbatches", str(self.microbatches),
                     "--parallel.virtual_stages", str(self.virtual_stages)]
@@ -47,8 +48,8 @@ class Choice:
         return out + ["--activation_checkpoint.mode", self.ac_mode]
 
     def describe(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("R", self.dp_replicate), ("S", self.dp_shard), ("T", self.tp),
-                                           ("P", self.pp)) if v > 1] or ["1 rank"]
+        dims = (("R", self.dp_replicate), ("S", self.dp_shard), ("C", self.cp), ("T", self.tp), ("P", self.pp))
+        parts = [f"{k}{v}" for k, v in dims if v > 1] or ["1 rank"]
         if self.pp > 1:
             parts.append(f"{self.pp_schedule}/m{self.microbatches}" + (f"/v{self.virtual_stages}"
                                                                         if self.virtual_stages > 1 else ""))
@@ -60,7 +61,7 @@ class Choice:
 
     def apply(self, config: JobConfig) -> JobConfig:
         parallel = dataclasses.replace(config.parallel, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                                       tp=self.tp, pp=self.pp, pp_schedule=self.pp_schedule,
+                                       cp=self.cp, tp=self.tp, pp=self.pp, pp_schedule=self.pp_schedule,
                                        microbatches=self.microbatches, virtual_stages=self.virtual_stages,
                                        sequence_parallel=self.sequence_parallel, pp_layers=[])
         ac = dataclasses.replace(config.activation_checkpoint, mode=self.ac_mode)
@@ -93,7 +94,7 @@ def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 
 def choices(config: JobConfig, world: int, *, ac_modes: tuple[str, ...] = AC_MODES) -> Iterator[Choice]:
-    for pp, dp_replicate, dp_shard, tp in factorizations(world, 4):
+    for pp, dp_replicate, dp_shard, cp, tp in factorizations(world, 5):
         if pp == 1:
             schedules = [(config.parallel.pp_schedule, 0, 1)]
         else:
@@ -104,7 +105,7 @@ def choices(config: JobConfig, world: int, *, ac_modes: tuple[str, ...] = AC_MOD
         for sp in ((True, False) if tp > 1 else (config.parallel.sequence_parallel,)):
             for name, m, v in schedules:
                 for ac in ac_modes:
-                    yield Choice(dp_replicate, dp_shard, tp, pp, name, m, v, sp, ac)
+                    yield Choice(dp_replicate, dp_shard, tp, pp, name, m, v, sp, ac, cp)
 
 
 def enumerate_layouts(config: JobConfig, world: int, *,

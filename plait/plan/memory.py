@@ -94,9 +94,10 @@ def peak_in_flight(dims, pp_rank: int) -> int:
 def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: int, ac_mode: str = "none",
                     ac_every: int = 2) -> Memory:
     c = rank_coords(dims, global_rank)
-    n, t = dims.dp_shard, dims.tp
+    n, t = dims.dp_shard * dims.cp, dims.tp  # FSDP shards over the flattened (dp_shard, cp) axis
     m = dims.microbatches if dims.pp > 1 else 1
     mb = batch_size // dims.dp // m
+    seq_len //= dims.cp  # context parallel: this rank's 2 of 2*cp chunks of each sequence
     tokens = mb * seq_len
     sp = dims.sequence_parallel and t > 1
     params = unsharded = buffers = acts = 0
@@ -107,7 +108,7 @@ def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: i
         ps = stage_params(args, dims, stage, c["tp"])
         n_params += len(ps)
         if n > 1:
-            params += sum(p.fsdp_local(n, c["dp_shard"]) for p in ps) * F32
+            params += sum(p.fsdp_local(n, c["fsdp"]) for p in ps) * F32
             groups = sorted((sum(p.fsdp_padded(n) for p in g) * n * F32, g[0].block is None)
                             for g in fsdp_groups(ps))
             if dims.pp > 1:

@@ -37,7 +37,7 @@ class Prediction:
 
     def record(self) -> dict:
         c = self.layout.choice
-        return {"layout": {"dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp, "pp": c.pp,
+        return {"layout": {"dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "cp": c.cp, "tp": c.tp, "pp": c.pp,
                            "pp_schedule": c.pp_schedule if c.pp > 1 else None,
                            "microbatches": self.layout.dims.microbatches,
                            "virtual_stages": self.layout.dims.virtual_stages,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from plait.plan.shapes import rank_coords, stages_of
+from plait.plan.traffic import ring_bytes
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,10 @@ def _ops(dims, args, stages: list[int]) -> dict[str, int]:
     out = {}
     if dims.tp > 1:
         out["tp"] = m * (8 * layers + 4)
-    if dims.dp_shard > 1:
-        out["dp_shard"] = 3 * (layers + 1)
+    if dims.dp_shard * dims.cp > 1:  # FSDP over dp_shard, or the flattened (dp_shard, cp)
+        out["dp_shard" if dims.dp_shard > 1 else "cp"] = 3 * (layers + 1)
+    if dims.cp > 1:  # the ring: 3 collectives per attention call (traffic.ring_bytes)
+        out["cp"] = out.get("cp", 0) + 3 * m * layers
     if dims.dp_replicate > 1:
         out["dp_replicate"] = layers + 1
     if dims.pp > 1:
@@ -87,7 +90,7 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
               global_rank: int, ac_mode: str = "none", ac_every: int = 2) -> StepTime:
     c = rank_coords(dims, global_rank)
     stages = stages_of(dims, c["pp"])
-    tokens = batch_size // dims.dp * seq_len
+    tokens = batch_size // dims.dp * seq_len // dims.cp  # a cp rank's share; attention still spans seq_len
     kw = dict(seq_len=seq_len, ac_mode=ac_mode, ac_every=ac_every)
     bubble = 0.0
     if dims.pp == 1:
@@ -107,7 +110,10 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     for axis, nbytes in traffic.items():
         n_ops = sum(v for k, v in ops.items() if k in axis.split("+")) or 3
         comm[axis] = nbytes / hw.bandwidth + n_ops * hw.latency
-    critical = sum(v for k, v in comm.items() if "tp" in k.split("+") or k == "pp")
-    dp = sum(v for k, v in comm.items() if not ("tp" in k.split("+") or k == "pp"))
+    # the ring's all-gather runs before its blocks compute: on the critical path, as tp and pp are
+    ring = ring_bytes(args, dims, [i for s in stages for i in dims.stage_layers[s]], seq_len=seq_len,
+                      batch_size=batch_size, ac_mode=ac_mode, ac_every=ac_every) / hw.bandwidth
+    critical = sum(v for k, v in comm.items() if "tp" in k.split("+") or k == "pp") + ring
+    dp = sum(v for k, v in comm.items() if not ("tp" in k.split("+") or k == "pp")) - ring
     exposed = critical + max(0.0, dp - hw.overlap * compute)
     return StepTime(compute, comm, exposed, bubble, compute + exposed)

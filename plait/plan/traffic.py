@@ -129,12 +129,8 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
                 norms = 2 * len(layers) + last  # where FSDP under a pipeline accumulates them
                 times = m if n > 1 and dims.pp > 1 else 1
                 add(("tp",), times * norms * all_reduce(t, d * f4))
-        # context parallel: ring attention (allgather rotation) per attention call, per microbatch
-        if cp > 1:
-            kv = 2 * mb * (args.n_heads // t) * s * args.head_dim * f4  # K, V repeated to the heads, packed
-            gathers = sum(2 + _checkpointed(i, ac_mode, ac_every) for i in layers)  # fwd, bwd, recompute
-            add(("cp",), m * (gathers * all_gather(cp, kv, backend=backend)
-                              + len(layers) * reduce_scatter(cp, kv)))  # bwd: dK/dV home
+        add(("cp",), ring_bytes(args, dims, layers, seq_len=seq_len, batch_size=batch_size, ac_mode=ac_mode,
+                                ac_every=ac_every, backend=backend))
         # pipeline p2p, per microbatch
         if dims.pp > 1:
             act = mb * (s // t if sp else s) * d * f4
@@ -142,6 +138,22 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
     world = dims.world_size
     add(AXES, 2 * all_reduce(world, 8) + all_reduce(world, 4))
     return out
+
+
+def ring_bytes(args, dims, layers, *, seq_len: int, batch_size: int, ac_mode: str = "none", ac_every: int = 2,
+               backend: str = "gloo") -> int:
+    """Ring attention's bytes per step on a cp rank for `layers` (plait train's rotation,
+    "allgather"): per attention call and microbatch, K and V (repeated to the local heads, packed)
+    all-gathered in forward, again in backward (and in a checkpointed block's recompute), and
+    their fp32 grads reduce-scattered home."""
+    cp, t = dims.cp, dims.tp
+    if cp == 1:
+        return 0
+    m = dims.microbatches if dims.pp > 1 else 1
+    mb = batch_size // dims.dp // m
+    kv = 2 * mb * (args.n_heads // t) * (seq_len // cp) * args.head_dim * 4
+    gathers = sum(2 + _checkpointed(i, ac_mode, ac_every) for i in layers)
+    return m * (gathers * all_gather(cp, kv, backend=backend) + len(layers) * reduce_scatter(cp, kv))
 
 
 def _ddp_buckets(sizes: list[int]) -> list[int]:

@@ -73,3 +73,23 @@ def test_train_auto_takes_the_planners_best(monkeypatch, capsys):
     best = plan(load("tiny"), 4)[0][0]
     assert f"--parallel.auto chose {best.layout.choice.describe()} of 4 ranks" in out
     assert f"dp_replicate = {best.layout.dims.dp_replicate}" in out and "auto = false" in out
+
+
+def test_cp_and_hsdp_tp_are_proposed():
+    kept, _ = enumerate_layouts(load("tiny"), 8, ac_modes=("none",))
+    shapes = {(k.choice.dp_replicate, k.choice.dp_shard, k.choice.cp, k.choice.tp, k.choice.pp) for k in kept}
+    assert {(1, 1, 8, 1, 1), (1, 2, 2, 2, 1), (2, 2, 1, 2, 1), (2, 1, 2, 2, 1),
+            (1, 1, 2, 2, 2)} <= shapes
+    cp4 = next(k for k in kept if (k.choice.cp, k.choice.dp_shard) == (4, 2))
+    assert cp4.dims.cp == 4 and "--parallel.cp" in cp4.choice.overrides() and "C4" in cp4.choice.describe()
+
+
+def test_cp_rejections_are_layout_checks_with_the_numbers():
+    # seq_len 12: cp 4 needs 12 % 8; cp 2 x tp 4 under SP needs 12 / 2 = 6 % 4
+    kept, rejected = enumerate_layouts(apply_overrides(load("tiny"), ["--training.seq_len", "12"]), 8,
+                                       ac_modes=("none",))
+    reasons = {r.reason for r in rejected}
+    assert any("seq_len(12) is not divisible by 2 * cp(4) = 8" in r for r in reasons), reasons
+    assert any("seq_len(12) / cp(2) = 6 is not divisible by tp(4)" in r for r in reasons), reasons
+    assert all(k.choice.cp in (1, 2) for k in kept)
+    assert any(k.choice.cp == 2 and k.choice.tp == 4 and not k.choice.sequence_parallel for k in kept)

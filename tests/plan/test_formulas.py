@@ -111,3 +111,30 @@ def test_plan_cli_table_and_pipeline_topic(capsys):
 def test_enumeration_counts_are_stable():
     kept, rejected = enumerate_layouts(load("tiny"), 1)
     assert [k.choice.ac_mode for k in kept] == ["none", "full", "every"] and not rejected
+
+
+def test_cp_ring_by_hand():
+    """tiny, cp 2, batch 8 x 32 tokens: each rank holds 16 tokens a sequence; K and V repeated to
+    8 heads of 8, packed: 2 * 8 * 8 * 16 * 8 * 4 = 65536 bytes. Per layer forward 1 all-gather,
+    backward 1 all-gather + 1 reduce-scatter (tests/tensor/test_context_parallel.py's counts):
+    3 x 65536 per layer, one all-gather more per checkpointed block."""
+    from plait.plan.traffic import ring_bytes
+
+    _, args, dims = _dims(2, ["--parallel.dp_shard", "1", "--parallel.cp", "2"])
+    assert ring_bytes(args, dims, (0, 1), seq_len=32, batch_size=8) == 2 * 3 * 65536
+    assert ring_bytes(args, dims, (0, 1), seq_len=32, batch_size=8, ac_mode="full") == 2 * 4 * 65536
+    got = bytes_per_step(args, dims, seq_len=32, batch_size=8, global_rank=0)
+    assert set(got) == {"cp"} and got["cp"] > 2 * 3 * 65536  # FSDP over dp_shard_cp (= cp) rides the same axis
+    one = memory_per_rank(args, dims, seq_len=32, batch_size=8, global_rank=0)
+    _, args1, dims1 = _dims(1, [])
+    full = memory_per_rank(args1, dims1, seq_len=32, batch_size=8, global_rank=0)
+    assert one.params * 2 == full.params  # FSDP shards over the cp ranks
+    assert one.activations < 0.55 * full.activations  # half the tokens per rank
+
+
+def test_cp_step_time_puts_the_ring_on_the_critical_path():
+    _, args, dims = _dims(2, ["--parallel.dp_shard", "1", "--parallel.cp", "2"])
+    traffic = bytes_per_step(args, dims, seq_len=32, batch_size=8, global_rank=0)
+    hw = Hardware(overlap=1e9)  # every data-parallel byte hidden: what is left exposed is the ring
+    st = step_time(args, dims, traffic, hw, seq_len=32, batch_size=8, global_rank=0)
+    assert st.exposed_s == pytest.approx(2 * 3 * 65536 / hw.bandwidth)

@@ -63,6 +63,12 @@ LAYOUTS = {
     "fsdp3_uneven": (3, ["--parallel.dp_shard", "3", "--training.batch_size", "6"]),
     "ddp3": (3, ["--parallel.dp_replicate", "3", "--parallel.dp_shard", "1", "--training.batch_size", "6"]),
     "fsdp2_tp2_pp2": (8, ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp", "2"]),
+    # context parallel: ring attention (allgather) on "cp", FSDP over the flattened dp_shard x cp
+    "cp2": (2, ["--parallel.dp_shard", "1", "--parallel.cp", "2"]),
+    "cp2_ac": (2, ["--parallel.dp_shard", "1", "--parallel.cp", "2", "--activation_checkpoint.mode", "full"]),
+    "fsdp2_cp2": (4, ["--parallel.dp_shard", "2", "--parallel.cp", "2"]),
+    "cp2_tp2": (4, ["--parallel.dp_shard", "1", "--parallel.cp", "2", "--parallel.tp", "2"]),
+    "hsdp2x2_tp2": (8, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),
 }
 
 
@@ -115,7 +121,7 @@ def test_every_proposed_layout_of_2_ranks_starts():
     from plait.plan.layouts import enumerate_layouts
 
     kept, _ = enumerate_layouts(load("tiny"), 2, ac_modes=("none",))
-    assert len(kept) == 8  # R2, S2, T2 with and without SP, P2 GPipe/1F1B x m 2, 4
+    assert len(kept) == 9  # R2, S2, C2, T2 with and without SP, P2 GPipe/1F1B x m 2, 4
     for layout in kept:
         losses = run_distributed(_one_step, layout.choice.overrides(), world_size=2)
         # every rank reports the global mean; the first step of tiny starts near 6.4 (ln 256 = 5.5 + init)
