@@ -11,7 +11,7 @@ Options: `--config NAME|FILE.toml` (default tiny), `--nproc N` (required), `--me
 (e.g. 2GiB, 512MiB, 1e9; layouts over it rank last, marked), `--calibrate` (measure FLOP/s
 and Gloo cost here, at most 30 s, cached; later runs reuse the cache), `--json`, `--top K`
 (default 10), `--rejected`; then any `--section.key value`, as `plait train` takes them. The
-layout's own values (`--parallel.dp_replicate/dp_shard/tp/pp/pp_schedule/microbatches/
+layout's own values (`--parallel.dp_replicate/dp_shard/cp/tp/pp/pp_schedule/microbatches/
 virtual_stages/sequence_parallel`, `--activation_checkpoint.mode`) are what it enumerates; every
 other override applies to all layouts (batch, sequence, model size).
 """

@@ -22,6 +22,8 @@ h heads, hd head_dim, f the SwiGLU width; float32 unless said:
     per stage    the token ids (int64, first stage); the rotary table slice; on the last stage
                  the final norm (2 T' d + T d + T'), the logits T V / t, the int64 targets;
                  TP without SP: one T d more (the output's replicated input)
+Context parallel: every figure above on T = mb * s/cp tokens (each cp rank's chunks; the ring
+saves q, k, v, out and lse as SDPA does); FSDP shards over dp_shard * cp ranks.
 A checkpointed block keeps only its input, T' * d; while one recomputes, its full set is
 alive once more. Peak = parameters + optimizer + max(activations, gradients) + unsharded +
 buffers: activations are freed through backward while the gradients fill in.

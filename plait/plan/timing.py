@@ -8,7 +8,9 @@ pipeline's bubble from the schedule simulator (torch-free).
                 = makespan of plait.pipelining's simulator with F = forward time of one
                   microbatch on one stage, B = 2F (3F with AC), W = F  pp > 1 (bubble included)
     comm_s(ax)  = bytes(ax) / bandwidth + ops(ax) * latency             per axis, traffic.py's bytes
-    exposed     = tp + pp (on the critical path) + max(0, dp - overlap * compute_s)
+    exposed     = tp + pp + cp's ring (on the critical path: the ring gathers K/V before its
+                  blocks compute) + max(0, dp - overlap * compute_s)
+    cp: a rank's tokens are B/dp * s/cp; each still attends over the whole sequence s
                   (FSDP/DDP gathers and reductions overlap compute, up to `overlap` of it)
     step_s      = compute_s + exposed
 

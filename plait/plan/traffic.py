@@ -9,8 +9,9 @@ Gloo takes past 32 MiB); reduce-scatter (n-1) * piece; broadcast S on the root; 
 Labels are plait.train.metrics.axis_label's: the axes of size > 1 a group spans.
 
 Per step (B global batch, dp = dp_replicate * dp_shard, b = B/dp, m microbatches, mb = b/m,
-s seq_len, d dim, t tp; fp32 throughout, as plait train runs):
-  FSDP (dp_shard = n > 1), per group of S padded elements (shapes.py): pp = 1, an all-gather
+s = seq_len / cp the tokens of a sequence a rank holds, d dim, t tp; fp32 throughout, as plait
+train runs):
+  FSDP (n = dp_shard * cp > 1: over the flattened ("dp_shard", "cp") axis), per group of S padded elements (shapes.py): pp = 1, an all-gather
     (n-1)*4S in forward, again in backward for blocks (reshard_after_forward; the root keeps
     its parameters), one reduce-scatter (n-1)*4S; pp > 1, one all-gather and one
     reduce-scatter per group per step (plait.pipelining.fully_sharded). HSDP adds an
@@ -28,6 +29,10 @@ s seq_len, d dim, t tp; fp32 throughout, as plait train runs):
     recomputed block; embedding one forward; output one backward.
   loss_parallel (last stage, t > 1), per microbatch: 3 all-reduces of mb * s floats; without
     it the logits' all-gather, (t-1) * mb * s * V/t * 4 (not measured yet).
+  CP ring attention (ring_bytes, the "allgather" rotation plait train keeps), per attention
+    call and microbatch, KV = 2 * mb * h/t * s * hd * 4 (K, V repeated to the local heads,
+    packed): forward an all-gather (cp-1) * KV, backward another and a reduce-scatter of the
+    fp32 dK/dV (cp-1) * KV; a recomputed block's forward one all-gather more.
   PP, per microbatch: each stage but the last sends its output forward, each but the first
     its input grad back: mb * s * d * 4 bytes (mb * s/t * d * 4 under SP).
   The trainer, per step on the world: grad-norm and loss (float64) and peak memory (float32).
