@@ -262,6 +262,6 @@ def run(quick: bool) -> None:
                 ["cp", "longest seq", "bytes/rank there", "seq / seq(cp=1)", "candidates", "search time"],
                 [(r["cp"], r["seq"], human_bytes(r["bytes"]), ratio(r["seq"], one["seq"]), r["tried"],
                   f"{r['seconds']:.1f} s") for r in (one, eight)],
-                notes=f"{layers} Llama-style blocks (RMSNorm, GQA {HQ}/{HKV} heads of {SD}, SwiGLU {DIM}->{HID}; "
+                notes=f"Llama-style blocks: {layers} (RMSNorm, GQA {HQ}/{HKV} heads of {SD}, SwiGLU {DIM}->{HID}; "
                       f"parameters {human_bytes(one['params'])}/rank), ring attention by alltoall, load-balanced "
                       f"causal shards; one forward + backward per candidate; ideal ratio 8.")
