@@ -2,11 +2,12 @@
 
     plait train's config (the small one) -> the same Transformer, init seed, corpus, global
     batch stream (plait.train.data: one global stream dealt to the dp ranks), AdamW, LR schedule
-    and clipping -> torch.distributed.device_mesh.init_device_mesh("cpu", (pp, dp_shard, tp))
+    and clipping -> torch.distributed.device_mesh.init_device_mesh("cpu", (pp, dp_replicate, dp_shard, tp))
     -> per stage (pipeline split by the same layer counts):
        1. torch's parallelize_module with the Llama plan (Colwise/Rowwise/SequenceParallel,
           PrepareModuleInput, logits Shard(-1) for loss_parallel) — plait's plan, torch's classes
        2. torch's fully_shard(block, mesh=mesh["dp_shard"]) per block, then the stage module
+          (HSDP, dp_replicate > 1: mesh["dp_replicate", "dp_shard"], the 2-D slice)
     -> torch.distributed.pipelining.PipelineStage + Schedule1F1B (the same microbatches)
     -> per step: forward/backward -> global grad norm (torchtitan's: DTensor norm, then a sum of
        squares over pp) -> clip -> step -> the global mean loss, reduced as plait's trainer does
@@ -78,7 +79,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def train_torch(config) -> dict:
-    """Train `config` (dp_shard x tp x pp; no dp_replicate) with torch's strategies on this rank's
+    """Train `config` (dp_shard x tp x pp, or HSDP: dp_replicate x dp_shard with dp_shard > 1) with
+    torch's strategies on this rank's
     pool; returns {"losses", "tps" (per step), "mem" (MiB, max over ranks)} on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -90,13 +92,17 @@ def train_torch(config) -> dict:
     args = model_args(config)
     t, d = config.training, config.data
     dims = resolve(config.parallel, t, args, world)
-    assert dims.dp_replicate == 1 and dims.virtual_stages == 1 and dims.pp_schedule == "1F1B", dims
+    assert (dims.dp_replicate == 1 or dims.dp_shard > 1) and dims.virtual_stages == 1 \
+        and dims.pp_schedule == "1F1B", dims
     torch.manual_seed(config.job.seed)
     tokens, _ = build_corpus(path=d.path, glob=d.glob, max_bytes=d.max_bytes, tokenizer=d.tokenizer,
                              vocab_size=d.vocab_size, cache_dir=".")
     train_set = TokenWindows(tokens, seq_len=t.seq_len, split="train", val_fraction=d.val_fraction)
-    mesh = init_device_mesh("cpu", (dims.pp, dims.dp_shard, dims.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
-    stream = BatchStream(train_set, global_batch=t.batch_size, dp_rank=mesh.get_local_rank("dp_shard"),
+    mesh = init_device_mesh("cpu", (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    dp_rank = mesh.get_local_rank("dp_replicate") * dims.dp_shard + mesh.get_local_rank("dp_shard")
+    fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    stream = BatchStream(train_set, global_batch=t.batch_size, dp_rank=dp_rank,
                          dp_size=dims.dp, seed=config.job.seed)
     model = Transformer(args)
     model.init_weights(seed=config.job.seed)
@@ -112,8 +118,8 @@ def train_torch(config) -> dict:
         parallelize_module(module, mesh["tp"], plan)
     if dims.dp_shard > 1:
         for block in module.layers.values():
-            fully_shard(block, mesh=mesh["dp_shard"])
-        fully_shard(module, mesh=mesh["dp_shard"])
+            fully_shard(block, mesh=fsdp_mesh)
+        fully_shard(module, mesh=fsdp_mesh)
     schedule = None
     if n > 1:
         stage = PipelineStage(module, pp_rank, n, torch.device("cpu"), group=mesh["pp"].get_group())

@@ -97,7 +97,7 @@ class ReplicaGradSync:
         for params in by_dtype.values():
             # A param without a grad this step (unused) counts as zeros on this replica, so
             # every replica sends the same buffer shape and none waits for another.
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
             flat = _flatten_dense_tensors(grads)  # (sum of numels,)
             handle = comm.all_reduce(flat, group=self.group, op="sum", async_op=True)
             self._work.append((handle, flat, params))
@@ -106,17 +106,34 @@ class ReplicaGradSync:
         for handle, flat, params in self._work:
             handle.wait()
             flat.div_(self.world)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
             with torch.no_grad():
                 for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
                     if p.grad is not None:
-                        p.grad.copy_(g)
+                        _local(p.grad).copy_(g)
                     elif g.any():  # used on another replica: the average of its grad and 0s
-                        p.grad = g.clone()
+                        p.grad = _like(p, g.clone())
         self._work = []
         if self._saved is not None:
             self.state.require_backward_grad_sync = self._saved
         self._saved = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A TP DTensor's own shard (replicas of one tp rank hold the same placements, so averaging
+    local shards over the data-parallel group is averaging the DTensors); a plain tensor as is.
+    Flattening the DTensors themselves would gather them to full tensors first (wrong sizes)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a grad for `p`: a DTensor on p's mesh and placements when p is one."""
+    if not hasattr(p, "to_local"):
+        return local
+    from plait.tensor import DTensor  # a layer above the pipeline runtime; imported late
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
 
 
 def _plait_ddp(module: nn.Module) -> GradSync | None:

@@ -21,27 +21,31 @@ from plait.testing import run_distributed
 from tests.train.common import run_tiny
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-_reference: dict[str, dict] = {}
+_reference: dict[tuple[str, ...], dict] = {}
 
 
-def reference() -> dict:
-    if "ref" not in _reference:
-        _reference["ref"] = run_distributed(run_tiny, [], world_size=1)[0]
-    return _reference["ref"]
+def reference(base: tuple[str, ...] = ()) -> dict:
+    """The 1-rank run of the tiny config with `base` overrides (cached per `base`)."""
+    if base not in _reference:
+        _reference[base] = run_distributed(run_tiny, list(base), world_size=1)[0]
+    return _reference[base]
 
 
-def check(world: int, overrides: list[str]) -> list[dict]:
-    ref = reference()
-    results = run_distributed(run_tiny, overrides, world_size=world)
+def check(world: int, overrides: list[str], *, base: tuple[str, ...] = (), val_steps: tuple[int, ...] = (5, 10),
+          learns: float = 0.5) -> list[dict]:
+    """`overrides` on `world` ranks against the 1-rank run, both on the tiny config + `base`;
+    held-out losses at `val_steps`; the reference's loss must drop by `learns` over the run."""
+    ref = reference(base)
+    results = run_distributed(run_tiny, [*base, *overrides], world_size=world)
     for rank, got in enumerate(results):  # every rank reports the same global figures
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL,
                                    msg=lambda m, r=rank: f"rank {r} losses: {m}")
         torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **TOL,
                                    msg=lambda m, r=rank: f"rank {r} grad norms: {m}")
-        assert sorted(got["val"]) == sorted(ref["val"]) == [5, 10]
+        assert sorted(got["val"]) == sorted(ref["val"]) == list(val_steps)
         for step in ref["val"]:
             torch.testing.assert_close(got["val"][step], ref["val"][step], **TOL)
-    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it learns: the comparison is not of noise
+    assert ref["losses"][-1] < ref["losses"][0] - learns  # it learns: the comparison is not of noise
     return results
 
 
