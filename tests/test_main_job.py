@@ -38,6 +38,7 @@ TRAIN = [re.compile(p) for p in (
     r"\[rank 0\] model +tiny: [\d,]+ parameters, \d+ layers, vocab 256", r"\[rank 0\] steps +1\.\.\d+ \(.*\)",
     r"\[rank 0\] loss +(\d+\.\d+) -> (\d+\.\d+)", r"\[rank 0\] val loss +.*", r"\[rank 0\] tokens/s +.*",
     r"\[rank 0\] MFU +.*", r"\[rank 0\] peak memory +.*",
+    r"\[rank 0\] bytes sent +dp_shard [\d,]+, tp [\d,]+, dp_shard\+tp [\d,]+ per step \(.*\)",
     r"(\[rank 0\] )?train: +\d+%\|.*\| \d+/\d+ .*", r"\[rank 0\]")]  # tqdm redraws after "\r"
 
 
