@@ -119,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             from plait.plan.calibrate import cached
 
             hw = cached() or hw
+        import dataclasses
+
+        from plait.plan.timing import host_cores
+
+        hw = dataclasses.replace(hw, cores=host_cores())  # the ranks of a one-host job share them
         preds, rejected = plan(config, opts["nproc"], hw=hw, memory_limit=opts["memory"],
                                config_name=opts["config"], user_overrides=opts["rest"])
     except (ValueError, TypeError) as e:
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
         return 0 if preds else 1
     print(f"{len(preds)} layouts of {opts['nproc']} ranks fit {opts['config']} ({len(rejected)} rejected); "
-          f"hardware: {hw.flop_rate:.3g} FLOP/s, {hw.bandwidth:.3g} B/s, {hw.latency * 1e6:.0f} us ({hw.source})")
+          f"hardware: {hw.flop_rate:.3g} FLOP/s, {hw.op_s * 1e6:.1f} us/op, {hw.dtensor_op_s * 1e6:.0f} us/DTensor op, "
+          f"{hw.bandwidth:.3g} B/s, {hw.latency * 1e6:.0f} us/call, {hw.cores} cores ({hw.source})")
     if preds:
         print(table(preds, opts["memory"], opts["top"]))
         best = preds[0]

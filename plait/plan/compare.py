@@ -4,9 +4,13 @@
     step records after it -> the layout (plait.train.layout.check) -> the planner's prediction
     for rank 0 (the rank whose figures the log holds) -> one row per figure:
       bytes sent per step, per axis      the last step's count (exact: should be equal)
-      step time                          the median of the steps after the first
-      memory per rank                    the log's peak RSS (CPU) or allocator peak (CUDA): a
-                                         process figure, larger than the tensors the plan counts
+      step time                          the median of the steps after the first (and not
+                                         the one metrics.live_bytes counted)
+      memory per rank                    the peak live tensor bytes (max over ranks) of the first
+                                         step, when the run had --metrics.live_bytes true
+                                         (plait.train.live_bytes), against the fullest rank's
+                                         prediction; and the log's peak RSS (CPU) or allocator
+                                         peak (CUDA): a process figure, larger than the tensors
 """
 
 from __future__ import annotations
@@ -52,14 +56,25 @@ def compare(run_dir: str | Path, hw: Hardware | None = None) -> tuple[list[tuple
     for axis in sorted(set(predicted) | set(measured)):
         p, m = predicted.get(axis, 0), measured.get(axis, 0)
         rows.append((f"bytes/step {axis}", f"{p:,}", f"{m:,}", "equal" if p == m else f"{p - m:+,}"))
-    time = step_time(args, dims, predicted, hw or Hardware(), **kw)
-    timed = [s["step_time_s"] for s in steps[1:]] or [s["step_time_s"] for s in steps]
+    import dataclasses
+
+    from plait.plan.timing import host_cores
+
+    hw = dataclasses.replace(hw or Hardware(), cores=host_cores())  # the run's ranks shared this host's cores
+    time = step_time(args, dims, predicted, hw, **kw)
+    timed = [s["step_time_s"] for s in steps[1:] if s.get("peak_live_bytes") is None]  # counted: slow
+    timed = timed or [s["step_time_s"] for s in steps]
     median = statistics.median(timed)
     rows.append(("step time", f"{time.step_s * 1e3:.2f} ms", f"{median * 1e3:.2f} ms (median)",
                  f"{(time.step_s - median) / median:+.0%}"))
     mem = memory_per_rank(args, dims, **{k: v for k, v in kw.items()})
+    live = [s["peak_live_bytes"] for s in steps if s.get("peak_live_bytes")]
+    if live:  # the max over ranks, against the planner's fullest rank
+        pred = max(memory_per_rank(args, dims, **{**kw, "global_rank": r}).total for r in range(dims.world_size))
+        rows.append(("memory/rank", f"{pred / 2**20:.2f} MiB tensors", f"{max(live) / 2**20:.2f} MiB live tensors",
+                     f"{(pred - max(live)) / max(live):+.1%}"))
     rss = max(s["peak_memory_mib"] for s in steps)
-    rows.append(("memory/rank", f"{mem.total / 2**20:.1f} MiB tensors", f"{rss:.0f} MiB (process peak)", "n/a"))
+    rows.append(("process peak", f"{mem.total / 2**20:.1f} MiB tensors", f"{rss:.0f} MiB (RSS)", "n/a"))
     return rows, equal
 
 

@@ -103,6 +103,7 @@ class Metrics:
     jsonl: str = ""  # default: {job.dir}/metrics.jsonl
     progress: bool = True  # a progress bar on rank 0 (tqdm)
     peak_flops: float = 0.0  # per rank, for MFU; 0: 1e12 on a GPU-less machine (see metrics.py)
+    live_bytes: bool = False  # count peak live tensor bytes per rank in the first step (slow; plait plan --compare)
 
 
 @dataclass

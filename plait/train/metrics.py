@@ -62,6 +62,7 @@ class StepRecord:
     peak_memory_mib: float  # max over ranks
     val_loss: float | None = None
     bytes_sent_by_axis: dict[str, int] | None = None  # rank 0's this step (what plait.plan predicts)
+    peak_live_bytes: int | None = None  # max over ranks of the peak live tensor bytes (metrics.live_bytes)
 
 
 class MetricsLogger:

@@ -225,7 +225,16 @@ def train(config: JobConfig) -> TrainResult:
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
         counter = CommDebugMode().__enter__()  # the step's traffic, what plait.plan predicts
-        batch = next(stream)
+        live = None
+        # the second step: AdamW's state exists from the first step's end (the steady state's peak);
+        # plait plan --compare leaves the counted step out of its timings, as it does the first
+        if config.metrics.live_bytes and step == min(start + 2, t.steps):
+            from plait.train.live_bytes import LiveBytes
+
+            batch = next(stream)  # drawn first: its slices are views of the whole corpus' storage
+            live = LiveBytes([*params, batch]).__enter__()
+        else:
+            batch = next(stream)
         local_loss = _forward_backward(parts, batch, train=True, cp_mesh=meshes.cp)
         reduce_partial_grads(params)
         norm_sq = grad_norm_sq(params, world=world, pp=dims.pp)
@@ -239,6 +248,12 @@ def train(config: JobConfig) -> TrainResult:
         for o in optimizers:
             o.step()
             o.zero_grad(set_to_none=True)
+        peak_live = None
+        if live is not None:
+            live.__exit__(None, None, None)
+            peak_live = torch.tensor(float(live.peak), dtype=torch.float64)
+            comm.all_reduce(peak_live, group=comm.world_group(), op="max")
+            peak_live = int(peak_live)
         lr = schedulers[0].get_last_lr()[0]
         for s in schedulers:
             s.step()
@@ -257,7 +272,7 @@ def train(config: JobConfig) -> TrainResult:
         record = M.StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tps,
                               tokens_per_s_per_rank=tps / world, mfu=tps / world * fpt / peak,
                               step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val,
-                              bytes_sent_by_axis=result.bytes_sent_by_axis[-1])
+                              bytes_sent_by_axis=result.bytes_sent_by_axis[-1], peak_live_bytes=peak_live)
         result.losses.append(loss)
         log.log(record)
         if checkpointer is not None and ck.interval and step % ck.interval == 0 and step != t.steps:
@@ -314,6 +329,12 @@ def _summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, result: Tra
         ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {M.peak_flops(config.metrics.peak_flops, device_type):.3g} "
                 "FLOP/s per rank (metrics.peak_flops)"),
         ("peak memory", f"{max(r.peak_memory_mib for r in recs):.0f} MiB per rank (max; CPU: peak RSS)"),
+    ]
+    live = [r.peak_live_bytes for r in recs if r.peak_live_bytes is not None]
+    if live:
+        rows.append(("peak live tensors", f"{max(live) / 2**20:.2f} MiB per rank (max; one step, "
+                                          "metrics.live_bytes)"))
+    rows += [
         ("bytes sent", ", ".join(f"{k or 'none'} {v:,}" for k, v in (recs[-1].bytes_sent_by_axis or {}).items())
          + " per step (this rank's last; plait plan --compare predicts them)"),
     ]
