@@ -205,14 +205,17 @@ class Job:
 
     def wait_for_outputs(self, prefix: str, count: int, timeout: float = HANG_S, suffix: str = "") -> list[str]:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            names = self.outputs(prefix, suffix)
+        ended = False
+        while time.monotonic() < deadline and not ended:
+            ended = bool(self.launches) and all(launch.proc.poll() is not None for launch in self.launches)
+            names = self.outputs(prefix, suffix)  # read after the check: a last write still counts
             if len(names) >= count:
                 return names
             time.sleep(0.05)
-        logs = "\n".join(f"--- {launch.err_path.name}\n{launch.output().err}\n{launch.stacks_now()}"
-                         for launch in self.launches)
-        pytest.fail(f"expected {count} outputs {prefix}*, got {self.outputs(prefix)}\n{logs}")
+        why = "every launch exited" if ended else f"not within {timeout} s"
+        logs = "\n".join(f"--- {launch.err_path.name} (exit code {launch.proc.poll()})\n{launch.output().err}\n"
+                         f"{launch.stacks_now()}" for launch in self.launches)
+        pytest.fail(f"expected {count} outputs {prefix}*, got {self.outputs(prefix)} ({why})\n{logs}")
 
     def registered_pids(self) -> list[int]:
         return [int(p.name) for p in self.pids.iterdir()]

@@ -106,3 +106,12 @@ def test_a_launch_that_outlives_its_bound_fails_with_every_process_stack(job):
     text = str(failed.value)
     assert text.count("--- stacks of pid") == 3, text  # the agent and its two workers
     assert "sleeper.py\", line" in text and "in _watch" in text, text  # each one where it waits
+
+
+def test_waiting_for_outputs_ends_when_every_launch_has_exited(job):
+    """The fixture's wait fails as soon as no launch is left to write the outputs, with their exit
+    codes and stderr, instead of polling out HANG_S (a rendezvous that gave up read as a hang)."""
+    job.start("--nproc-per-node", "0", worker("elastic.py"))  # exits 2 at once, writes nothing
+    with pytest.raises(pytest.fail.Exception, match=r"got \[\] \(every launch exited\)\n--- agent0.stderr "
+                       r"\(exit code 2\)\n.*a node needs at least 1 worker"):
+        job.wait_for_outputs("running_a0_", 1)

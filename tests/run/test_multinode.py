@@ -7,11 +7,16 @@ import re
 import signal
 
 from tests.run.conftest import free_port, port_is_free, worker
+from tests.run.workers._common import HANG_S
 
 # short timeouts: a last call takes 1 s and a lost node is noticed in 8 s, not minutes. Shorter
 # than that, a loaded machine that starves an agent's heartbeat thread for a few seconds makes
-# a live node look lost; the join timeout only bounds a hang (agents start in seconds).
-FAST = "join_timeout=120,last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=16,close_timeout=10"
+# a live node look lost. The join timeout only bounds a hang, but the first agent's window
+# includes every later agent's start-up (python, torch's import: ~60 s seen under ci-under-load
+# -j 2), so it is HANG_S, the bound the test's own waits use: at 120 s a starved second agent
+# joined after the host had given up, and no worker of round 0 ever started.
+FAST = (f"join_timeout={HANG_S:.0f},last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=16,"
+        "close_timeout=10")
 
 
 def c10d(port: int, nnodes: str, *more: str) -> list[str]:
