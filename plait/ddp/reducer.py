@@ -32,6 +32,7 @@ from plait import comm
 from plait.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, move_grad_views
 from plait.ddp.graph import queue_end_of_backward, reachable_params, twice_message, unused_message
 from plait.ddp.shards import as_grad, local, local_grad
+from plait.tensor import DTensor
 
 
 class Phase(enum.Enum):
@@ -221,8 +222,11 @@ class Reducer:
             view.zero_()
         else:
             param = self.params[i]
-            grad = local_grad(param)  # DTensor parameters: the local shard, in the param's placements
-            scale = self._scale() if self._hook is None else 1.0
+            # DTensor parameters: the local shard, in the param's placements. Per gradient, so the
+            # plain-tensor path and a known divisor cost no call (the host cost of backward)
+            grad = local_grad(param) if isinstance(param, DTensor) else param.grad
+            divisor = self._divisor
+            scale = 1.0 if self._hook is not None else 1.0 / divisor if divisor is not None else self._scale()
             if self.gradient_as_bucket_view:
                 if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
                     view.copy_(grad)
@@ -233,7 +237,7 @@ class Reducer:
                 torch.mul(grad, scale, out=view)
             else:
                 view.copy_(grad)
-        if self._recording:
+        if not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters):  # _recording
             self._order.append(i)
         bucket.pending -= 1
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
