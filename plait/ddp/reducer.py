@@ -325,8 +325,9 @@ class Reducer:
                     param.grad = as_grad(param, view)
             elif param.grad is None:
                 param.grad = as_grad(param, view.clone())
-            else:
-                local(param.grad).copy_(view)
+            else:  # local(), inlined: once per parameter per step
+                grad = param.grad
+                (grad._local_tensor if isinstance(grad, DTensor) else grad).copy_(view)
 
     # -- join ----------------------------------------------------------------------------
 
