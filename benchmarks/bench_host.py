@@ -139,8 +139,9 @@ def _row(name: str, steps: dict, group, warmup: int, rounds: int) -> dict:
         steps["plait"](), steps["torch"]()
     calls = {lib: median([hc.count_calls(fn) for _ in range(3)]) for lib, fn in steps.items()}
     t_ours, t_theirs = alternating_times(steps["plait"], steps["torch"], group, warmup=0, rounds=rounds)
-    return {"row": name, "calls": calls, "ms": {"plait": 1e3 * median([t[0] for t in t_ours]),
-                                               "torch": 1e3 * median([t[0] for t in t_theirs])}}
+    return {"row": name, "calls": calls,
+            "ms": {"plait": 1e3 * median([t[0] for t in t_ours]), "torch": 1e3 * median([t[0] for t in t_theirs])},
+            "cpu": {"plait": 1e3 * median([t[1] for t in t_ours]), "torch": 1e3 * median([t[1] for t in t_theirs])}}
 
 
 def _measure(quick: bool, only: list[str] | None = None) -> list[dict]:
@@ -244,13 +245,17 @@ def run(quick: bool) -> None:
         c, t = r["calls"], r["ms"]
         table.append((r["row"], f"{c['plait']:.0f}", f"{c['torch']:.0f}", ratio(c["plait"], c["torch"]),
                       f"{t['plait']:.2f}", f"{t['torch']:.2f}", ratio(t["plait"], t["torch"]),
+                      *((f"{u['plait']:.2f}", f"{u['torch']:.2f}", ratio(u["plait"], u["torch"])) if (u := r.get("cpu"))
+                        else ("-", "-", "-")),
                       "yes" if c["plait"] <= c["torch"] and t["plait"] <= t["torch"] else "no"))
     print_table(f"Host cost per step: Llama dim 32, seq {hc.SEQ}, {LAYERS} layers, world {WORLD} "
                 f"(train rows: 4 or 8 ranks); load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end",
                 ("row", "plait calls", "torch calls", "calls plait/torch", "plait ms", "torch ms", "ms plait/torch",
+                 "plait CPU ms", "torch CPU ms", "CPU plait/torch",
                  "plait <= torch"), table,
                 notes="calls: Python function calls per step on rank 0 (sys.setprofile 'call' events), counted; "
                       "ms: slowest rank's wall time per step, median of alternating steps (train rows: rank 0's "
-                      "median over steps 3..N of its own run). Wall time on a shared machine measures the "
+                      "median over steps 3..N of its own run); CPU ms: the training thread's CPU time per step, slowest rank, "
+                      "median (waiting and the neighbours' load excluded; not for train rows). Wall time on a shared machine measures the "
                       "neighbours too; the calls do not depend on load.")
 

@@ -75,7 +75,7 @@ class Reducer:
         self._set_buckets(assign_buckets(self.params, list(reversed(range(n))), self.caps))
         self._reset_iteration()
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+            p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))  # i, then the param
 
     # -- buckets ------------------------------------------------------------------------
 
@@ -176,24 +176,24 @@ class Reducer:
             for i in self._static_unused:
                 self._mark_ready(i, zero=True)
 
-    def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
+    def _hook_reaches_ready(self, i: int) -> bool:
+        """The gradient hook outside a plain backward: whether parameter `i` is ready now."""
         if self.phase is Phase.IDLE:
             self._used_since_sync[i] = True
-            return
+            return False
         if self.phase is Phase.PREPARED:
             self.begin_backward()  # the loss did not come through the outputs (a captured tensor)
         if self.static_graph:
             if self._static_counts is None:  # first iteration: count, reduce at the end
                 self._counts[i] += 1
                 self._fire_order.append(i)
-                return
+                return False
             self._counts[i] -= 1
             if self._counts[i] > 0:
-                return
+                return False
             if self._counts[i] < 0:
                 raise RuntimeError(twice_message(self.fqns[i]))
-        self._local_used[i] = 1
-        self._mark_ready(i)
+        return True
 
     def _mark_absent(self, i: int) -> None:
         """A parameter without a gradient this backward: its no_sync accumulation, or zeros."""
@@ -211,7 +211,14 @@ class Reducer:
                 self._divisor = float(self.world_size)
         return 1.0 / self._divisor
 
-    def _mark_ready(self, i: int, zero: bool = False) -> None:
+    def _mark_ready(self, i: int, hooked: torch.Tensor | None = None, zero: bool = False) -> None:
+        """Parameter `i`'s gradient (or zeros) goes into its bucket; a full bucket is launched.
+        Also the gradient hook itself (`hooked`: the parameter), so that in a plain backward a
+        gradient costs one Python call."""
+        if hooked is not None:
+            if (self.phase is not Phase.BACKWARD or self.static_graph) and not self._hook_reaches_ready(i):
+                return
+            self._local_used[i] = 1
         if self._ready[i]:
             raise RuntimeError(twice_message(self.fqns[i]))
         self._ready[i] = True
