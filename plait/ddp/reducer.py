@@ -32,6 +32,7 @@ from plait import comm
 from plait.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, move_grad_views
 from plait.ddp.graph import queue_end_of_backward, reachable_params, twice_message, unused_message
 from plait.ddp.shards import as_grad, local, local_grad
+from plait.tensor import DTensor
 
 
 class Phase(enum.Enum):
@@ -74,7 +75,7 @@ class Reducer:
         self._set_buckets(assign_buckets(self.params, list(reversed(range(n))), self.caps))
         self._reset_iteration()
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+            p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))  # i, then the param
 
     # -- buckets ------------------------------------------------------------------------
 
@@ -175,24 +176,24 @@ class Reducer:
             for i in self._static_unused:
                 self._mark_ready(i, zero=True)
 
-    def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
+    def _hook_reaches_ready(self, i: int) -> bool:
+        """The gradient hook outside a plain backward: whether parameter `i` is ready now."""
         if self.phase is Phase.IDLE:
             self._used_since_sync[i] = True
-            return
+            return False
         if self.phase is Phase.PREPARED:
             self.begin_backward()  # the loss did not come through the outputs (a captured tensor)
         if self.static_graph:
             if self._static_counts is None:  # first iteration: count, reduce at the end
                 self._counts[i] += 1
                 self._fire_order.append(i)
-                return
+                return False
             self._counts[i] -= 1
             if self._counts[i] > 0:
-                return
+                return False
             if self._counts[i] < 0:
                 raise RuntimeError(twice_message(self.fqns[i]))
-        self._local_used[i] = 1
-        self._mark_ready(i)
+        return True
 
     def _mark_absent(self, i: int) -> None:
         """A parameter without a gradient this backward: its no_sync accumulation, or zeros."""
@@ -210,7 +211,14 @@ class Reducer:
                 self._divisor = float(self.world_size)
         return 1.0 / self._divisor
 
-    def _mark_ready(self, i: int, zero: bool = False) -> None:
+    def _mark_ready(self, i: int, hooked: torch.Tensor | None = None, zero: bool = False) -> None:
+        """Parameter `i`'s gradient (or zeros) goes into its bucket; a full bucket is launched.
+        Also the gradient hook itself (`hooked`: the parameter), so that in a plain backward a
+        gradient costs one Python call."""
+        if hooked is not None:
+            if (self.phase is not Phase.BACKWARD or self.static_graph) and not self._hook_reaches_ready(i):
+                return
+            self._local_used[i] = 1
         if self._ready[i]:
             raise RuntimeError(twice_message(self.fqns[i]))
         self._ready[i] = True
@@ -221,8 +229,11 @@ class Reducer:
             view.zero_()
         else:
             param = self.params[i]
-            grad = local_grad(param)  # DTensor parameters: the local shard, in the param's placements
-            scale = self._scale() if self._hook is None else 1.0
+            # DTensor parameters: the local shard, in the param's placements. Per gradient, so the
+            # plain-tensor path and a known divisor cost no call (the host cost of backward)
+            grad = local_grad(param) if isinstance(param, DTensor) else param.grad
+            divisor = self._divisor
+            scale = 1.0 if self._hook is not None else 1.0 / divisor if divisor is not None else self._scale()
             if self.gradient_as_bucket_view:
                 if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
                     view.copy_(grad)
@@ -233,7 +244,7 @@ class Reducer:
                 torch.mul(grad, scale, out=view)
             else:
                 view.copy_(grad)
-        if self._recording:
+        if not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters):  # _recording
             self._order.append(i)
         bucket.pending -= 1
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
@@ -321,8 +332,9 @@ class Reducer:
                     param.grad = as_grad(param, view)
             elif param.grad is None:
                 param.grad = as_grad(param, view.clone())
-            else:
-                local(param.grad).copy_(view)
+            else:  # local(), inlined: once per parameter per step
+                grad = param.grad
+                (grad._local_tensor if isinstance(grad, DTensor) else grad).copy_(view)
 
     # -- join ----------------------------------------------------------------------------
 

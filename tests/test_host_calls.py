@@ -1,0 +1,106 @@
+"""A regression guard on plait's host cost: Python function calls per training step, counted.
+
+    the Llama reference at dim 32, seq 8, 2 layers (benchmarks/host_calls.py), world 2, batch 2
+    per rank -> each strategy's step warmed up twice (buckets rebuilt, shapes inferred), then
+    one step counted with sys.setprofile on every rank -> at most BOUNDS[row]
+
+The bounds are the counts measured when this test was written (benchmarks/bench_host.py
+prints the 8-layer rows beside torch's) plus a margin of about 10%: a change that adds
+per-step Python to a hot path fails here, one that removes it passes (then lower the bound).
+Counts, not times: the figure is the same on a loaded machine. Each row also asserts the
+step did work (the count exceeds a floor a no-op could not reach), so the test can fail
+both ways.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import torch
+
+from benchmarks import host_calls as hc
+from plait import comm
+from plait.testing import distributed
+
+LAYERS = 2
+FLOOR = 400  # forward + backward + AdamW of a 2-layer Llama alone makes more calls than this
+
+# measured (the max over the two ranks) -> bound, about +10%
+BOUNDS = {
+    "DDP": 660,  # 599 (1064 before the buffer walk and the one-call gradient hook)
+    "FSDP2": 3230,  # 2934
+    "FSDP1": 3240,  # 2946
+    "TP + SP": 11100,  # 10076
+    "PP 1F1B": 1690,  # 1531 (the last stage; the first makes 704)
+}
+
+
+def _steps(tokens: torch.Tensor) -> dict:
+    import plait.fsdp as fsdp
+    import plait.fsdp.wrap as wrap
+    from plait.ddp import DistributedDataParallel
+    from plait.device_mesh import init_device_mesh
+    from plait.models.llama import TransformerBlock, parallelize_llama
+    from plait.tensor.parallel import loss_parallel
+
+    def fsdp2():
+        model = hc.host_model(LAYERS)
+        for block in model.layers.values():
+            fsdp.fully_shard(block)
+        return fsdp.fully_shard(model)
+
+    def fsdp1():
+        policy = partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
+        return fsdp.FullyShardedDataParallel(hc.host_model(LAYERS), auto_wrap_policy=policy,
+                                             device_id=torch.device("cpu"))
+
+    steps = {}
+    for name, build in (("DDP", lambda: DistributedDataParallel(hc.host_model(LAYERS))), ("FSDP2", fsdp2),
+                        ("FSDP1", fsdp1)):
+        model = build()
+        steps[name] = hc.train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens)
+    tp = parallelize_llama(hc.host_model(LAYERS), init_device_mesh("cpu", (comm.world_size(),)))
+    opt = torch.optim.AdamW(tp.parameters(), lr=1e-3)
+    full = hc.host_tokens(0)
+
+    def tp_step() -> None:
+        logits = tp(full[:, :-1])
+        with loss_parallel():
+            hc.lm_loss(logits, full).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    steps["TP + SP"] = tp_step
+    steps["PP 1F1B"] = _pipeline_step()
+    return steps
+
+
+def _pipeline_step():
+    from benchmarks import bench_pipelining as bp
+    from plait import pipelining as pp
+
+    torch.manual_seed(0)
+    world = comm.world_size()
+    model = bp.Transformer(vocab=64, dim=32, layers=LAYERS, heads=4)
+    owned = [comm.global_rank()]
+    (module,) = pp.split_model(model, pp.split_evenly(model, world), owned)
+    stage = pp.PipelineStage(module, owned[0], world, "cpu", group=comm.world_group())
+    schedule = pp.Schedule1F1B(stage, 4, loss_fn=bp.lm_loss)
+    tokens = torch.randint(0, 64, (4, hc.SEQ))
+    return partial(bp._run_step, schedule, owned, world, tokens, torch.roll(tokens, -1, dims=1))
+
+
+@distributed([2])
+def test_calls_per_step_within_bounds() -> None:
+    warnings.filterwarnings("ignore")
+    got = {}
+    for name, step in _steps(hc.host_tokens(comm.global_rank())).items():
+        step(), step()
+        got[name] = hc.count_calls(step)
+    counts: list = [None] * comm.world_size()
+    torch.distributed.all_gather_object(counts, got)
+    for name, bound in BOUNDS.items():
+        worst = max(c[name] for c in counts)
+        assert FLOOR < worst <= bound, \
+            f"{name}: {worst} Python calls per step (ranks {[c[name] for c in counts]}), bound {bound}"
