@@ -24,8 +24,9 @@ see the values of the re-gather in backward.
 Streams (an accelerator; on CPU `streams` is None and none of this runs), as torch's FSDP2:
     unshard:   copy_in.wait_stream(compute); copy-in on copy_in; all_gather.wait_stream(copy_in);
                all-gather waited on all_gather, event G recorded there
-    wait:      compute.wait(G); copy-out on compute; event C; copy_in and all_gather wait(C)
-               (the gather's input and output buffers are not reused before the copy-out read them)
+    wait:      compute.wait(G); copy-out on compute; event C; copy_in and all_gather wait(C);
+               only then is the gather's input dropped (its output is dropped after the copy-out):
+               neither buffer is reused before the collective and the copy-out are done with it
     reduce:    copy-in on compute; reduce_scatter.wait_stream(compute); reduce-scatter issued on
                reduce_scatter; drained there (waited, HSDP all-reduce, / dp, grads land): event R
                after the collective, P after the grads; compute.wait(R) before the input is
@@ -139,6 +140,9 @@ class ParamGroup:
         self.queue = ReduceQueue()  # replaced by the root's at lazy init
         self.streams = FSDPStreams.on(device)  # None on CPU: no stream calls in the step
         self._gather_event = None  # recorded on the all-gather stream after the collective
+        # the all-gather's input (copy-in stream memory): alive until the copy-out's event is
+        # waited for there, so a second gather in flight cannot reuse it before the first read it
+        self._gather_input: torch.Tensor | None = None
         # knobs (FSDPModule.set_*)
         self.reshard_after_forward = True
         self.reshard_after_backward = True
@@ -215,6 +219,7 @@ class ParamGroup:
                 handle = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True)
                 handle.wait()
                 self._gather_event = api.record_event(s.all_gather)
+            self._gather_input = inp
         self._gather = handle
         self.unshard_count += 1
 
@@ -274,6 +279,7 @@ class ParamGroup:
             copied = streams_api.record_event(compute)
             streams_api.wait_event(streams.copy_in, copied)
             streams_api.wait_event(streams.all_gather, copied)
+            self._gather_input = None
 
     def reshard_after_forward_pass(self) -> None:
         """After forward: reshard fully, or to the post-forward rows (reshard_after_forward=k)."""
@@ -298,9 +304,10 @@ class ParamGroup:
             self._gather.wait()
             self._gather = None
             self._post_gather = False
-            if self.streams is not None:  # the dropped output's memory is reused after the gather
+            if self.streams is not None:  # the dropped buffers are reused only after the gather
                 streams_api.wait_event(streams_api.current_stream(self.device), self._gather_event)
-                self._gather_event = None
+                streams_api.wait_event(self.streams.copy_in, self._gather_event)
+                self._gather_event = self._gather_input = None
         if self.state is ShardedState.SHARDED_POST_FORWARD:
             self._post = None
             self.state = ShardedState.SHARDED
