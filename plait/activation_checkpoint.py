@@ -130,7 +130,7 @@ class OffloadWrapper(ActivationWrapper):
     """Runs the wrapped module with the tensors autograd saves moved to (pinned) CPU memory."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with save_on_cpu(pin_memory=torch.cuda.is_available()):
+        with save_on_cpu(pin_memory=torch.accelerator.is_available()):
             return self._checkpoint_wrapped_module(*args, **kwargs)
 
 

@@ -42,12 +42,13 @@ def stage(items: list[ChunkWrite]) -> list[ChunkWrite]:
     """A host-memory copy of every chunk this rank writes: one staged copy of its share."""
     staged = []
     for it in items:
-        pin = it.data.device.type == "cuda"
+        pin = it.data.device.type != "cpu"
+        # deliberately on the host: the writer thread saves it while training goes on
         host = torch.empty(it.data.shape, dtype=it.data.dtype, device="cpu", pin_memory=pin)
         host.copy_(it.data, non_blocking=pin)
         staged.append(replace(it, data=host))
-    if any(it.data.device.type == "cuda" for it in items):
-        torch.cuda.synchronize()
+    if any(it.data.device.type != "cpu" for it in items):
+        torch.accelerator.synchronize()  # the non_blocking copies have landed
     return staged
 
 

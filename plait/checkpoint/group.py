@@ -36,14 +36,17 @@ class Group:
         self.pg = process_group
         self.rank = comm.get_rank(process_group) if process_group is not None else 0
         self.size = comm.get_world_size(process_group) if process_group is not None else 1
+        # the exchanges go where the group takes tensors; JSON is decoded from a host copy
+        self.device = comm.group_device(process_group) if process_group is not None else torch.device("cpu")
 
     def gather_json(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-        n = torch.tensor([data.numel()], dtype=torch.int64)
+        data = data.to(self.device)
+        n = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         sizes = [int(s) for s in comm.all_gather(n, group=self.pg)]
-        joined = comm.all_gather(data, group=self.pg, sizes=sizes).numpy().tobytes()
+        joined = comm.all_gather(data, group=self.pg, sizes=sizes).cpu().numpy().tobytes()
         out, start = [], 0
         for s in sizes:
             out.append(json.loads(joined[start:start + s]))
@@ -63,20 +66,20 @@ class Group:
         return [p for _, p in got]
 
     def _to_bytes(self, obj: Any) -> torch.Tensor:
-        return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(self.device)
 
     def gather_to_coordinator(self, obj: Any) -> list[Any] | None:
         """Collective: every rank's JSON-able obj on rank 0 (rank order); None elsewhere."""
         if self.size == 1:
             return [obj]
         data = self._to_bytes(obj)
-        sizes = [int(s) for s in comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=self.pg)]
+        sizes = [int(s) for s in comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), group=self.pg)]
         to_coordinator = [data.numel()] + [0] * (self.size - 1)
         got = comm.all_to_all(data, group=self.pg, input_split_sizes=to_coordinator,
                               output_split_sizes=sizes if self.rank == 0 else [0] * self.size)
         if self.rank != 0:
             return None
-        joined, out, start = got.numpy().tobytes(), [], 0
+        joined, out, start = got.cpu().numpy().tobytes(), [], 0
         for s in sizes:
             out.append(json.loads(joined[start:start + s]))
             start += s
@@ -89,12 +92,13 @@ class Group:
         if self.rank == 0:
             assert objs is not None and len(objs) == self.size, (self.size, None if objs is None else len(objs))
             blobs = [self._to_bytes(o) for o in objs]
-            sizes = torch.tensor([b.numel() for b in blobs], dtype=torch.int64)
+            sizes = torch.tensor([b.numel() for b in blobs], dtype=torch.int64, device=self.device)
             data = torch.cat(blobs)
         else:
-            sizes, data = torch.zeros(self.size, dtype=torch.int64), torch.empty(0, dtype=torch.uint8)
+            sizes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+            data = torch.empty(0, dtype=torch.uint8, device=self.device)
         comm.broadcast(sizes, src=0, group=self.pg)
         mine = [int(sizes[self.rank])] + [0] * (self.size - 1)
         got = comm.all_to_all(data, group=self.pg, output_split_sizes=mine,
                               input_split_sizes=[int(s) for s in sizes] if self.rank == 0 else [0] * self.size)
-        return json.loads(got.numpy().tobytes())
+        return json.loads(got.cpu().numpy().tobytes())

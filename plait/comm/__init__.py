@@ -18,6 +18,7 @@ from plait.comm import autograd, functional
 from plait.comm.algorithms import choose as choose_algorithm
 from plait.comm.algorithms import set_algorithm
 from plait.comm.collectives import all_reduce, barrier, broadcast, reduce
+from plait.comm.device import group_device
 from plait.comm.events import (
     CommEvent,
     CommListener,
@@ -49,7 +50,7 @@ __all__ = [
     "CommEvent", "CommListener", "GroupInfo", "Handle", "P2POp", "functional",
     "add_listener", "all_gather", "all_reduce", "all_to_all", "autograd", "barrier",
     "batch_isend_irecv", "broadcast", "choose_algorithm", "default_backend",
-    "destroy_process_group", "get_global_rank", "get_rank", "get_world_size", "global_rank",
+    "destroy_process_group", "get_global_rank", "group_device", "get_rank", "get_world_size", "global_rank",
     "group_info", "init_process_group", "irecv", "is_initialized", "isend", "listeners",
     "listening", "new_group", "recv", "reduce", "reduce_scatter", "remove_listener", "send",
     "set_algorithm", "world_group", "world_size",

@@ -99,7 +99,7 @@ class Reducer:
         ready (rank 0's order, broadcast, so every rank builds the same buckets)."""
         if not self._rebuild_pending:
             return False
-        order = torch.tensor(self._order, dtype=torch.int64)
+        order = torch.tensor(self._order, dtype=torch.int64, device=comm.group_device(self.group))
         comm.broadcast(order, src=0, group=self.group)
         order_list = order.tolist()
         assert sorted(order_list) == list(range(len(self.params))), "ready order is a permutation"
@@ -291,7 +291,7 @@ class Reducer:
                 self._mark_ready(i, zero=True)  # peers wait for these buckets: send zeros
             skip.update(missing)
         if self.find_unused_parameters or first_static:
-            used = torch.tensor(self._local_used, dtype=torch.int32)
+            used = torch.tensor(self._local_used, dtype=torch.int32, device=comm.group_device(self.group))
             comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
             globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
             skip |= globally_unused
@@ -343,7 +343,7 @@ class Reducer:
         works = [self._launch(b, torch.zeros_like(b.buffer)) for b in self.buckets]
         first_static = self.static_graph and self._static_counts is None and not self._static_shadowed
         if self.find_unused_parameters or first_static:
-            works.append(comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32),
+            works.append(comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32, device=comm.group_device(self.group)),
                                          group=self.group, op="sum", async_op=True))
         # A rank that joins before its first static_graph iteration never learns the graph:
         # it shadows correctly, but cannot train again after the Join.

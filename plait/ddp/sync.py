@@ -57,8 +57,9 @@ def verify_shapes(named: Sequence[tuple[str, torch.Tensor]], group: ProcessGroup
     """Raise on every rank if any rank's tensors differ in count, shape or dtype from rank 0's."""
     if comm.get_world_size(group) == 1:
         return
-    mine = torch.tensor(_encode(named), dtype=torch.int64)
-    lengths = comm.all_gather(torch.tensor([mine.numel()]), group=group).tolist()
+    dev = comm.group_device(group)
+    mine = torch.tensor(_encode(named), dtype=torch.int64, device=dev)
+    lengths = comm.all_gather(torch.tensor([mine.numel()], device=dev), group=group).tolist()
     everyone = comm.all_gather(mine, group=group, sizes=lengths)
     tables, start = [], 0
     for length in lengths:
@@ -109,7 +110,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], *, src: int, group: Pro
 
 def find_common_rank(group: ProcessGroup, candidate: bool) -> int:
     """The largest group rank among the ranks that pass `candidate=True`."""
-    me = torch.tensor([comm.get_rank(group) if candidate else -1], dtype=torch.int64)
+    me = torch.tensor([comm.get_rank(group) if candidate else -1], dtype=torch.int64, device=comm.group_device(group))
     comm.all_reduce(me, group=group, op="max")
     rank = int(me.item())
     assert rank >= 0, "at least one rank is a candidate"

@@ -193,8 +193,9 @@ def _default_mesh() -> DeviceMesh:
 
 
 def _device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+    acc = torch.accelerator.current_accelerator()
+    if acc is not None and mesh.device_type == acc.type:  # the device this rank's process uses
+        return torch.device(acc.type, torch.accelerator.current_device_index())
     return torch.device(mesh.device_type)
 
 

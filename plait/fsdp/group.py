@@ -20,6 +20,17 @@
 S is the sum of every parameter's padded shard numel P_i. The flat buffer is allocated once
 and refilled in place, so tensors autograd saved in forward (the parameter, views of it)
 see the values of the re-gather in backward.
+
+Streams (an accelerator; on CPU `streams` is None and none of this runs), as torch's FSDP2:
+    unshard:   copy_in.wait_stream(compute); copy-in on copy_in; all_gather.wait_stream(copy_in);
+               all-gather waited on all_gather, event G recorded there
+    wait:      compute.wait(G); copy-out on compute; event C; copy_in and all_gather wait(C);
+               only then is the gather's input dropped (its output is dropped after the copy-out):
+               neither buffer is reused before the collective and the copy-out are done with it
+    reduce:    copy-in on compute; reduce_scatter.wait_stream(compute); reduce-scatter issued on
+               reduce_scatter; drained there (waited, HSDP all-reduce, / dp, grads land): event R
+               after the collective, P after the grads; compute.wait(R) before the input is
+               dropped (the next group's post-backward), compute.wait(P) at the end of backward
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from enum import Enum, auto
 import torch
 
 from plait import comm
+from plait.comm import device as streams_api
 from plait.device_mesh import DeviceMesh
 from plait.fsdp.param import FSDPParam
 
@@ -39,6 +51,21 @@ class ShardedState(Enum):
     UNSHARDED = auto()
 
 
+class FSDPStreams:
+    """The side streams of FSDP on one device (shared by every group on it)."""
+
+    __slots__ = ("all_gather", "copy_in", "reduce_scatter")
+
+    def __init__(self, device: torch.device) -> None:
+        self.copy_in = streams_api.side_stream(device, "fsdp.all_gather_copy_in")
+        self.all_gather = streams_api.side_stream(device, "fsdp.all_gather")
+        self.reduce_scatter = streams_api.side_stream(device, "fsdp.reduce_scatter")
+
+    @staticmethod
+    def on(device: torch.device) -> FSDPStreams | None:
+        return None if streams_api.side_stream(device, "fsdp.all_gather") is None else FSDPStreams(device)
+
+
 class ReduceQueue:
     """Reduce-scatters in flight, shared by every group under one root. Issuing one waits
     for the one before, so a group's reduce-scatter overlaps the next group's backward and
@@ -46,15 +73,37 @@ class ReduceQueue:
 
     def __init__(self) -> None:
         self.pending: list[tuple[ParamGroup, comm.Handle]] = []
+        self._inputs: list[torch.Tensor | None] = []  # each one's input, kept until compute waited for it
+        self._post: tuple[torch.device, object] | None = None  # the last drained group's event P
 
-    def push(self, group: ParamGroup, handle: comm.Handle) -> None:
-        self.drain()
+    def push(self, group: ParamGroup, handle: comm.Handle, rs_in: torch.Tensor | None = None) -> None:
+        self._finish()
         self.pending.append((group, handle))
+        self._inputs.append(rs_in)
 
     def drain(self) -> None:
+        self._finish()
+        if self._post is not None:  # the optimizer (on the compute stream) reads the grads
+            device, event = self._post
+            self._post = None
+            streams_api.wait_event(streams_api.current_stream(device), event)
+
+    def _finish(self) -> None:
         while self.pending:
             group, handle = self.pending.pop(0)
-            group.finish_reduce(handle.wait())
+            rs_in = self._inputs.pop(0)
+            streams = group.streams
+            if streams is None:
+                group.finish_reduce(handle.wait())
+                continue
+            rs = streams.reduce_scatter
+            with streams_api.stream_context(rs):
+                reduced = handle.wait()
+                done = streams_api.record_event(rs)
+                group.finish_reduce(reduced)
+                self._post = (group.device, streams_api.record_event(rs))
+            streams_api.wait_event(streams_api.current_stream(group.device), done)
+            del rs_in  # compute is ordered after the collective read it: its memory may be reused
 
 
 class ParamGroup:
@@ -89,6 +138,11 @@ class ParamGroup:
         self._post: torch.Tensor | None = None  # (N/k, S) rows kept after forward (SHARDED_POST_FORWARD)
         self._post_gather = False  # the all-gather in flight is the k-rank one
         self.queue = ReduceQueue()  # replaced by the root's at lazy init
+        self.streams = FSDPStreams.on(device)  # None on CPU: no stream calls in the step
+        self._gather_event = None  # recorded on the all-gather stream after the collective
+        # the all-gather's input (copy-in stream memory): alive until the copy-out's event is
+        # waited for there, so a second gather in flight cannot reuse it before the first read it
+        self._gather_input: torch.Tensor | None = None
         # knobs (FSDPModule.set_*)
         self.reshard_after_forward = True
         self.reshard_after_backward = True
@@ -132,7 +186,9 @@ class ParamGroup:
 
     def unshard(self, *, async_op: bool = False) -> None:
         """Issue the all-gather (unless unsharded or in flight); wait for it unless async_op."""
-        if self.state is ShardedState.SHARDED_POST_FORWARD and self._gather is None:
+        if self.streams is not None and self._gather is None and self.state is not ShardedState.UNSHARDED:
+            self._unshard_on_streams()
+        elif self.state is ShardedState.SHARDED_POST_FORWARD and self._gather is None:
             self._gather = comm.all_gather(self._post.view(1, -1), group=self.post_forward_group, async_op=True)
             self._post_gather = True
             self.unshard_count += 1
@@ -142,6 +198,30 @@ class ParamGroup:
             self.unshard_count += 1
         if not async_op:
             self.wait_for_unshard()
+
+    def _unshard_on_streams(self) -> None:
+        """unshard() on an accelerator: copy-in and all-gather each on its stream (docstring)."""
+        s, api = self.streams, streams_api
+        compute = api.current_stream(self.device)
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            api.wait_stream(s.all_gather, compute)  # the kept rows were written on compute
+            with api.stream_context(s.all_gather):
+                handle = comm.all_gather(self._post.view(1, -1), group=self.post_forward_group, async_op=True)
+                handle.wait()  # the stream waits, not the host (NCCL)
+                self._gather_event = api.record_event(s.all_gather)
+            self._post_gather = True
+        else:
+            api.wait_stream(s.copy_in, compute)  # the optimizer wrote the shards on compute
+            with api.stream_context(s.copy_in):
+                inp = self._packed_shards()
+            api.wait_stream(s.all_gather, s.copy_in)
+            with api.stream_context(s.all_gather):
+                handle = comm.all_gather(inp.view(1, self.total), group=self.shard_group, async_op=True)
+                handle.wait()
+                self._gather_event = api.record_event(s.all_gather)
+            self._gather_input = inp
+        self._gather = handle
+        self.unshard_count += 1
 
     def gather_full(self) -> list[torch.Tensor]:
         """Every parameter's whole value as a new tensor, from one all-gather, leaving the
@@ -169,6 +249,11 @@ class ParamGroup:
             return
         gathered = self._gather.wait()  # (N, S), rank r's shards in row r
         self._gather = None
+        streams = self.streams
+        if streams is not None:
+            compute = streams_api.current_stream(self.device)
+            streams_api.wait_event(compute, self._gather_event)
+            self._gather_event = None
         n, nbytes = self.world, self.unsharded_bytes
         if self._post_gather:  # (k, N/k * S): member j's rows are j, j + k, j + 2k, ...
             k = self.post_forward_size
@@ -190,6 +275,11 @@ class ParamGroup:
                 p.bind(block)
             p.register(p.unsharded)
         self.state = ShardedState.UNSHARDED
+        if streams is not None:  # the next gather reuses these buffers only after the copy-out
+            copied = streams_api.record_event(compute)
+            streams_api.wait_event(streams.copy_in, copied)
+            streams_api.wait_event(streams.all_gather, copied)
+            self._gather_input = None
 
     def reshard_after_forward_pass(self) -> None:
         """After forward: reshard fully, or to the post-forward rows (reshard_after_forward=k)."""
@@ -214,6 +304,10 @@ class ParamGroup:
             self._gather.wait()
             self._gather = None
             self._post_gather = False
+            if self.streams is not None:  # the dropped buffers are reused only after the gather
+                streams_api.wait_event(streams_api.current_stream(self.device), self._gather_event)
+                streams_api.wait_event(self.streams.copy_in, self._gather_event)
+                self._gather_event = self._gather_input = None
         if self.state is ShardedState.SHARDED_POST_FORWARD:
             self._post = None
             self.state = ShardedState.SHARDED
@@ -247,8 +341,15 @@ class ParamGroup:
         with torch.no_grad():
             for p, off, size in zip(self.params, self.offsets, self.sizes):
                 p.fill_grad(rs_in[:, off:off + size])
-        handle = comm.reduce_scatter(rs_in.view(-1), group=self.shard_group, async_op=True)  # -> (S,)
-        self.queue.push(self, handle)
+        if self.streams is None:
+            handle = comm.reduce_scatter(rs_in.view(-1), group=self.shard_group, async_op=True)  # -> (S,)
+            self.queue.push(self, handle)
+            return
+        rs = self.streams.reduce_scatter
+        streams_api.wait_stream(rs, streams_api.current_stream(self.device))  # grads copied in on compute
+        with streams_api.stream_context(rs):
+            handle = comm.reduce_scatter(rs_in.view(-1), group=self.shard_group, async_op=True)
+        self.queue.push(self, handle, rs_in)
 
     def finish_reduce(self, reduced: torch.Tensor) -> None:
         """`reduced` (S,) is the sum over the shard axis; add the replicate axis (HSDP),
@@ -267,4 +368,4 @@ class ParamGroup:
                 p.take_shard_grad(reduced[off:off + size], self.grad_dtype)
 
 
-__all__ = ["ParamGroup", "ReduceQueue", "ShardedState"]
+__all__ = ["FSDPStreams", "ParamGroup", "ReduceQueue", "ShardedState"]

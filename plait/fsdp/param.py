@@ -78,7 +78,7 @@ class FSDPParam:
         if not local.is_meta and local.device != shard_device:
             local = local.to(shard_device)
         local = local.contiguous().clone() if not local.is_meta else torch.empty_like(local.contiguous())
-        if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
+        if pin_memory and local.device.type == "cpu" and torch.accelerator.is_available():
             local = local.pin_memory()
         if self.tp_spec is not None:
             spec_mesh, placements = dp_tp_layout(mesh, self.tp_spec, self.dim)

@@ -84,15 +84,16 @@ def decode(wire: torch.Tensor) -> tuple[TensorMeta, ...]:
 
 def send_metas(metas: Sequence[TensorMeta], *, dst: int, group: ProcessGroup) -> list[comm.Handle]:
     """Start sending `metas` to group rank `dst` (two messages: length, then entries)."""
-    wire = encode(metas)
-    length = torch.tensor([wire.numel()], dtype=torch.int64)
+    wire = encode(metas).to(comm.group_device(group))
+    length = torch.tensor([wire.numel()], dtype=torch.int64, device=wire.device)
     return [comm.isend(length, dst=dst, group=group), comm.isend(wire, dst=dst, group=group)]
 
 
 def recv_metas(*, src: int, group: ProcessGroup) -> tuple[TensorMeta, ...]:
     """Receive what `send_metas` sent from group rank `src` (blocks)."""
-    length = comm.recv(torch.empty(1, dtype=torch.int64), src=src, group=group)
-    wire = comm.recv(torch.empty(int(length.item()), dtype=torch.int64), src=src, group=group)
+    dev = comm.group_device(group)
+    length = comm.recv(torch.empty(1, dtype=torch.int64, device=dev), src=src, group=group)
+    wire = comm.recv(torch.empty(int(length.item()), dtype=torch.int64, device=dev), src=src, group=group)
     return decode(wire)
 
 

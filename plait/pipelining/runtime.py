@@ -25,6 +25,12 @@ and F(s, 0) reads only F(s-1, 0), which every rank has done before it, stage by 
 
 Stages s and s+1 on the same rank (ZBV's turn-around) hand over activations and grads in
 memory; the lowering puts no SEND/RECV between them.
+
+On an accelerator sends and receives run on their own stream (`p2p`; None on CPU, where
+none of this runs): p2p.wait_stream(compute) then the batch posted on p2p (the sends read
+what compute wrote, the receive buffers were allocated there); a compute that reads a
+receive waits for it on p2p, then compute.wait(event recorded on p2p); at the end the sends
+are waited on p2p and compute.wait(event), before their activations can be reused.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait import comm
+from plait.comm import device as streams_api
 
 from .meta import recv_metas, send_metas
 from .program import Compute, Post, Program, compile_program
@@ -101,6 +108,8 @@ class PipelineRuntime:
         # Gloo matches each direction of a pair on its own: receives can be posted a compute
         # early (program.py says why, and why not on NCCL); read when a program is compiled
         self.early_recvs = EARLY_RECVS if comm.group_info(group).backend == "gloo" else 0
+        self.device = next(iter(self.stages.values())).device  # every stage of a rank is on one device
+        self.p2p = streams_api.side_stream(self.device, "pipelining.p2p")  # None on CPU
 
     def plan(self, has_backward: bool) -> Schedule:
         """The lowered, checked schedule for a step with or without backward (cached)."""
@@ -151,8 +160,11 @@ class PipelineRuntime:
                     compute(op, step)
             else:
                 post(op, step)
-        for handle in step.sends:
-            handle.wait()
+        if self.p2p is None:
+            for handle in step.sends:
+                handle.wait()
+        elif step.sends:
+            self._wait_on_p2p(step.sends)
         for stage in syncing:
             stage.grad_sync.end_step()  # grads averaged over data parallel; then scale_grads
         assert not any(step.recvs), f"rank {self.rank}: receives never consumed"
@@ -195,7 +207,12 @@ class PipelineRuntime:
             ops += new
         if not ops:
             return
-        handles = comm.batch_isend_irecv(ops)
+        if self.p2p is None:
+            handles = comm.batch_isend_irecv(ops)
+        else:
+            streams_api.wait_stream(self.p2p, streams_api.current_stream(self.device))
+            with streams_api.stream_context(self.p2p):
+                handles = comm.batch_isend_irecv(ops)
         if len(owners) == 1 and owners[0][0] >= 0:  # the common case: one receive
             step.recvs[owners[0][0]] = handles
             return
@@ -215,8 +232,11 @@ class PipelineRuntime:
             handles = step.recvs[op.wait]
             if handles is not None:
                 step.recvs[op.wait] = None
-                for handle in handles:
-                    handle.wait()
+                if self.p2p is None:
+                    for handle in handles:
+                        handle.wait()
+                else:
+                    self._wait_on_p2p(handles)
         if kind is _F:
             args = step.arg_mbs[mb] if stage.is_first else ()
             output = stage.forward_one_chunk(mb, args, step.kwarg_mbs[mb])
@@ -243,6 +263,14 @@ class PipelineRuntime:
                 if done == self.schedule.num_microbatches:
                     stage.grad_sync.last_backward()  # one reduction per step, launched now
         self.timeline.append((op.action, start, time.perf_counter()))
+
+    def _wait_on_p2p(self, handles: list[comm.Handle]) -> None:
+        """The p2p stream waits for `handles` (not the host, on NCCL); compute waits for that."""
+        with streams_api.stream_context(self.p2p):
+            for handle in handles:
+                handle.wait()
+            done = streams_api.record_event(self.p2p)
+        streams_api.wait_event(streams_api.current_stream(self.device), done)
 
 
 def _reap(sends: list[comm.Handle]) -> list[comm.Handle]:

@@ -46,7 +46,8 @@ def gathered_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: Seq
         p = placements[axis]
         if type(p) is not Shard and type(p) is not _StridedShard:
             continue
-        sizes = comm.all_gather(torch.tensor([shape[p.dim]]), group=mesh.get_group(axis)).tolist()
+        group = mesh.get_group(axis)
+        sizes = comm.all_gather(torch.tensor([shape[p.dim]], device=comm.group_device(group)), group=group).tolist()
         total = sum(sizes)
         # (a strided axis's sizes are checked below, with the whole shape known)
         if type(p) is Shard and sizes != chunk_sizes(total, len(sizes)):
@@ -79,7 +80,7 @@ def check_and_sync(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[P
 
 def _agree(mesh: DeviceMesh, error: str) -> None:
     """Raise on every rank if any rank of the mesh has an error."""
-    flag = torch.tensor([1 if error else 0])
+    flag = torch.tensor([1 if error else 0], device=comm.group_device(mesh.get_group(0)))
     for axis in range(mesh.ndim):
         comm.all_reduce(flag, group=mesh.get_group(axis), op="max")
     if flag.item():

@@ -19,7 +19,8 @@ def assert_synced(tensor: torch.Tensor, group: ProcessGroup, *, atol: float = 0.
                   name: str = "tensor") -> None:
     """Assert `tensor` is the same on every rank of `group` (exactly, by default)."""
     n, rank = comm.get_world_size(group), comm.get_rank(group)
-    shapes = comm.all_gather(torch.tensor([tensor.dim(), *tensor.shape, 0, 0, 0, 0][:5]), group=group)
+    shapes = comm.all_gather(torch.tensor([tensor.dim(), *tensor.shape, 0, 0, 0, 0][:5], device=comm.group_device(group)),
+                             group=group)
     if len({tuple(s) for s in shapes.view(n, -1).tolist()}) != 1:
         raise AssertionError(f"{name} has different shapes across ranks: {shapes.view(n, -1).tolist()}")
     everyone = comm.all_gather(tensor.detach().contiguous().reshape(1, -1), group=group)  # (n, numel)

@@ -107,15 +107,16 @@ def agreed_latest(folder: str | Path, *, group) -> tuple[int, Path] | None:
     from plait.checkpoint.commit import status
 
     found = latest_complete(folder) if comm.get_rank(group) == 0 else None
-    step = torch.tensor(found[0] if found is not None else -1, dtype=torch.int64)
+    dev = comm.group_device(group)
+    step = torch.tensor(found[0] if found is not None else -1, dtype=torch.int64, device=dev)
     comm.broadcast(step, src=0, group=group)
     if int(step) < 0:
         return None
     path = step_dir(folder, int(step))
     why = status(str(path))
     rank, size = comm.get_rank(group), comm.get_world_size(group)
-    count = torch.tensor(0 if why is None else 1, dtype=torch.int64)
-    first = torch.tensor(size if why is None else rank, dtype=torch.int64)
+    count = torch.tensor(0 if why is None else 1, dtype=torch.int64, device=dev)
+    first = torch.tensor(size if why is None else rank, dtype=torch.int64, device=dev)
     comm.all_reduce(count, group=group)  # how many ranks cannot see it
     comm.all_reduce(first, group=group, op="min")  # the first of them
     if int(count):

@@ -81,7 +81,7 @@ def grad_norm_sq(params: list[torch.nn.Parameter], *, world: int, pp: int) -> to
     """This rank's share of the squared global grad norm: summed over the world it is the whole
     model's. A piece held identically by k ranks (a Replicate axis, or a plain tensor every rank
     of a pipeline stage holds) adds 1/k of its square on each."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
     per_stage = world // pp
     for p in params:
         g = p.grad
@@ -140,7 +140,7 @@ def _run_batch(parts: PipelineParts, x: torch.Tensor, y: torch.Tensor, *, train:
 
 
 def _global_mean(local: torch.Tensor | None, dims: ParallelDims) -> float:
-    t = torch.zeros((), dtype=torch.float64) if local is None else local.double() / (dims.dp * dims.cp * dims.tp)
+    t = torch.zeros((), dtype=torch.float64, device=comm.group_device(comm.world_group())) if local is None else local.double() / (dims.dp * dims.cp * dims.tp)
     comm.all_reduce(t, group=comm.world_group())
     return float(t)
 
@@ -166,10 +166,12 @@ def train(config: JobConfig) -> TrainResult:
     train_set = TokenWindows(tokens, seq_len=t.seq_len, split="train", val_fraction=d.val_fraction)
     val_set = TokenWindows(tokens, seq_len=t.seq_len, split="val", val_fraction=d.val_fraction)
 
-    meshes = build_meshes(dims)
+    device = comm.group_device(comm.world_group())  # NCCL: this rank's GPU; Gloo: the CPU
+    meshes = build_meshes(dims, device.type)
     dp_rank = meshes.dp.get_local_rank()
     model = Transformer(args)
-    model.init_weights(seed=config.job.seed)
+    model.init_weights(seed=config.job.seed)  # on the host: the same values on any device
+    model.to(device)
     graph_breaks_before = _graph_breaks()
     parts = build_parts(model, dims, meshes, loss_fn=lm_loss, ac_mode=config.activation_checkpoint.mode,
                         ac_every=config.activation_checkpoint.every, compile=config.compile.enabled,
@@ -212,7 +214,7 @@ def train(config: JobConfig) -> TrainResult:
         for m in parts.modules:
             m.eval()
         with torch.no_grad():
-            vals = [_global_mean(_forward_backward(parts, b, train=False, cp_mesh=meshes.cp), dims)
+            vals = [_global_mean(_forward_backward(parts, b.to(device), train=False, cp_mesh=meshes.cp), dims)
                     for b in held_out]
         for m in parts.modules:
             m.train()
@@ -225,16 +227,15 @@ def train(config: JobConfig) -> TrainResult:
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
         counter = CommDebugMode().__enter__()  # the step's traffic, what plait.plan predicts
+        batch = next(stream).to(device, non_blocking=True)  # data is made on the host
         live = None
         # the second step: AdamW's state exists from the first step's end (the steady state's peak);
-        # plait plan --compare leaves the counted step out of its timings, as it does the first
+        # plait plan --compare leaves the counted step out of its timings, as it does the first.
+        # The batch is drawn first: its slices are views of the whole corpus' storage
         if config.metrics.live_bytes and step == min(start + 2, t.steps):
             from plait.train.live_bytes import LiveBytes
 
-            batch = next(stream)  # drawn first: its slices are views of the whole corpus' storage
             live = LiveBytes([*params, batch]).__enter__()
-        else:
-            batch = next(stream)
         local_loss = _forward_backward(parts, batch, train=True, cp_mesh=meshes.cp)
         reduce_partial_grads(params)
         norm_sq = grad_norm_sq(params, world=world, pp=dims.pp)
@@ -259,7 +260,7 @@ def train(config: JobConfig) -> TrainResult:
             s.step()
         loss = _global_mean(local_loss, dims)
         dt = time.perf_counter() - t0
-        mem = torch.tensor(float(M.peak_memory_bytes(device_type)))
+        mem = torch.tensor(float(M.peak_memory_bytes(device_type)), device=comm.group_device(comm.world_group()))
         comm.all_reduce(mem, group=comm.world_group(), op="max")
         counter.__exit__(None, None, None)
         result.bytes_sent_by_axis.append(M.bytes_by_axis(counter.events, dims))

@@ -35,7 +35,7 @@ def equal_rule(call: OpCall) -> Sharding:
     mesh = call.mesh
 
     def run(args, kwargs):
-        verdict = torch.tensor([int(torch.equal(args[0], args[1]))])
+        verdict = torch.tensor([int(torch.equal(args[0], args[1]))], device=args[0].device)
         for axis in range(mesh.ndim):
             comm.all_reduce(verdict, group=mesh.get_group(axis), op="min")
         return bool(verdict.item())

@@ -168,7 +168,7 @@ class _CrossEntropy(torch.autograd.Function):
             both = torch.stack([(wlogp * q).sum(-1), (q if w_loc is None else q * w_loc).sum(-1)], -1)
             both = _all_reduce(both, group)
             per, scale = -both[:, 0], both[:, 1]  # loss_i, sum_c w_c q_c
-            total = torch.tensor(float(per.numel()), dtype=dtype)
+            total = torch.tensor(float(per.numel()), dtype=dtype, device=per.device)
             valid = None
         else:
             t = target.reshape(-1)
