@@ -82,6 +82,8 @@ class DefaultSavePlanner(SaveChunkPlanner, SavePlanner):
             if found is None or not found[2]:  # off the mesh, or a replica another rank writes
                 continue
             local, offsets, _ = found
+            if local.numel() == 0 and v.numel() > 0:  # an empty piece (uneven shard): its offsets may
+                continue  # equal a real piece's, and dedup must not pick it as that piece's writer
             kind = WriteItemType.SHARD if isinstance(v, DTensor) else WriteItemType.TENSOR
             chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(local.shape))
             items.append(WriteItem(MetadataIndex(fqn, offsets), kind,

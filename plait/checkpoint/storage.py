@@ -177,7 +177,7 @@ class FileSystemWriter(StorageWriter):
 
     def finish(self, metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: each rank's results as its fragment, then the direct path's commit."""
-        staging = commit.staging_dir(self.path)
+        fragments: list[dict[str, Any]] = []
         pd = metadata.planner_data
         layouts = pd.get(LAYOUTS, {}) if isinstance(pd, dict) else {}  # DefaultSavePlanner's, if kept
         tensors = {fqn: {"shape": list(e.size), "dtype": dtype_name(e.properties.dtype),
@@ -193,10 +193,10 @@ class FileSystemWriter(StorageWriter):
                 else:
                     chunks[res.index.fqn].append(res.storage_data["chunk"])
                     file_meta[res.storage_data["chunk"]["file"]] = res.storage_data["file_meta"]
-            body = {"rank": r, "tensors": tensors if r == 0 else {}, "chunks": dict(chunks), "values": values,
-                    "files": sorted(file_meta), "file_meta": file_meta, "error": None}
-            commit.write_fragment(staging, r, body, sync=False)
-        commit.finish(self.path, len(results), sync=self.sync_files, timeout=COMMIT_TIMEOUT_S)
+            fragments.append({"rank": r, "tensors": tensors if r == 0 else {}, "chunks": dict(chunks),
+                              "values": values, "files": sorted(file_meta), "file_meta": file_meta, "error": None})
+        self.committed = commit.finish(self.path, len(results), sync=self.sync_files, timeout=COMMIT_TIMEOUT_S,
+                                       fragments=fragments)
 
 
 class FileSystemReader(StorageReader):
