@@ -1,12 +1,17 @@
 """save: every rank writes the chunks it owns, in parallel; rank 0 commits.
 
-    state dict -> Stateful members expanded -> flat leaves -> local plan (planner)
-      -> agree (errors, plain-tensor holders; rank 0 has made PATH.incomplete)
-      -> write own files + fragment -> agree -> rank 0: metadata.json, rename -> agree
+    save(): torch's order on the planner and writer (driver.py), the built-in ones too:
+      set_up_planner -> set_up_storage_writer (rank 0 makes PATH.incomplete) ->
+      create_local_plan -> [gather] create_global_plan (one writer per chunk) -> [scatter]
+      finish_plan -> write_data (own files, crc32 as written) -> [gather] finish (rank 0:
+      metadata.json, fsync, rename) -> [scatter] every rank returns plait's Metadata
+    async_save(): prepare (plan + agree) here, write_own + commit on its thread (async_saver.py)
 
-Every failure, on any rank, is raised on every rank at the next agree, so no rank is left
-waiting; the checkpoint is then not committed and the previous one at PATH is untouched.
-The same steps, split at the write, make async_save.
+Every failure, on any rank, is raised on every rank at the next exchange, so no rank is
+left waiting; the checkpoint is then not committed, PATH.incomplete is removed and the
+previous checkpoint at PATH is untouched. With the built-in planner and writer this rank's
+own error is raised as it was (ValueError naming the key), another rank's as
+CheckpointError; a custom one gets torch's CheckpointException.
 """
 
 from __future__ import annotations
