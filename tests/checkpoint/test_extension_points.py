@@ -253,7 +253,11 @@ def test_driven_load_still_checks_every_byte(tmp_path):
 
 PROTOCOL = {"planner": ("set_up_planner", "create_local_plan", "create_global_plan", "finish_plan", "resolve_data"),
             "writer": ("storage_meta", "set_up_storage_writer", "prepare_local_plan", "prepare_global_plan",
-                       "write_data", "finish")}
+                       "write_data", "finish"),
+            "load planner": ("set_up_planner", "create_local_plan", "create_global_plan", "finish_plan",
+                             "load_bytes", "resolve_tensor", "commit_tensor"),
+            "reader": ("read_metadata", "set_up_storage_reader", "prepare_local_plan", "prepare_global_plan",
+                       "read_data")}
 
 
 def _spy(method, name: str, calls: list[str], depth: list[int]):
@@ -272,22 +276,27 @@ def _spy(method, name: str, calls: list[str], depth: list[int]):
     return spy
 
 
-def _record_plain_save(src_name: str, path: str, monkeypatch) -> list[str]:
-    """Plain save(state, checkpoint_id=path): the protocol calls its built-in planner and
-    writer receive, in order (a run of resolve_data calls counted once)."""
+def _record_plain(src_name: str, path: str, monkeypatch, what: str) -> list[str]:
+    """Plain save / load (state, checkpoint_id=path): the protocol calls the built-in planner
+    and storage layer receive, in order (a run of one name, as resolve_data's, counted once)."""
     src = source(src_name)
+    roles = ((("planner", src.dcp.DefaultSavePlanner), ("writer", src.dcp.FileSystemWriter)) if what == "save"
+             else (("load planner", src.dcp.DefaultLoadPlanner), ("reader", src.dcp.FileSystemReader)))
     calls: list[str] = []
-    for role, cls in (("planner", src.dcp.DefaultSavePlanner), ("writer", src.dcp.FileSystemWriter)):
+    for role, cls in roles:
         depth = [0]  # one per role: the planner's calls from inside write_data are the protocol's
         for name in PROTOCOL[role]:
             monkeypatch.setattr(cls, name, _spy(getattr(cls, name), f"{role}.{name}", calls, depth))
-    src.dcp.save(state(), checkpoint_id=path, no_dist=True)
+    if what == "save":
+        src.dcp.save(state(), checkpoint_id=path, no_dist=True)
+    else:
+        src.dcp.load(state(zero=True), checkpoint_id=path, no_dist=True)
     monkeypatch.undo()
     return calls
 
 
 def test_plain_save_takes_the_builtin_planner_and_writer_in_torchs_order(tmp_path, monkeypatch):
-    got = {name: _record_plain_save(name, str(tmp_path / name), monkeypatch) for name in ("torch", "plait")}
+    got = {name: _record_plain(name, str(tmp_path / name), monkeypatch, "save") for name in ("torch", "plait")}
     assert got["plait"] == got["torch"] == [
         "writer.storage_meta", "planner.set_up_planner", "writer.set_up_storage_writer", "planner.create_local_plan",
         "writer.prepare_local_plan", "planner.create_global_plan", "writer.prepare_global_plan",
@@ -297,3 +306,15 @@ def test_plain_save_takes_the_builtin_planner_and_writer_in_torchs_order(tmp_pat
     assert torch.equal(loaded["head"], torch.arange(3.0))
     assert all(torch.equal(loaded["model"][k].view(torch.uint8), v.view(torch.uint8))  # bitwise: NaNs too
                for k, v in state()["model"].items())
+
+
+def test_plain_load_takes_the_builtin_planner_and_reader_in_torchs_order(tmp_path, monkeypatch):
+    for name in ("torch", "plait"):
+        source(name).dcp.save(state(), checkpoint_id=str(tmp_path / name), no_dist=True)
+    got = {name: _record_plain(name, str(tmp_path / name), monkeypatch, "load") for name in ("torch", "plait")}
+    # one box per tensor here: resolve_tensor and commit_tensor alternate, as many times as tensors
+    boxes = ["load planner.resolve_tensor", "load planner.commit_tensor"] * (len(reference()) + 1)
+    assert got["plait"] == got["torch"] == [
+        "reader.read_metadata", "load planner.set_up_planner", "reader.set_up_storage_reader",
+        "load planner.create_local_plan", "reader.prepare_local_plan", "load planner.create_global_plan",
+        "reader.prepare_global_plan", "load planner.finish_plan", "reader.read_data", *boxes], got
