@@ -25,7 +25,9 @@ import torch
 
 from plait.checkpoint.planner_api import (
     ChunkStorageMetadata,
+    LoadItemType,
     MetadataIndex,
+    ReadItem,
     TensorProperties,
     TensorWriteData,
     WriteItem,
@@ -89,12 +91,33 @@ def _from_write_item(fqn, offset, index, kind, tensor) -> WriteItem:
     return WriteItem(MetadataIndex(fqn, offset, index), WriteItemType[kind], tensor_data=td)
 
 
+def _index(i: Any) -> list | None:
+    if type(i) is not MetadataIndex or not (i.offset is None or type(i.offset) is torch.Size):
+        return None
+    return [i.fqn, None if i.offset is None else list(i.offset), i.index]
+
+
+def _read_item(x: ReadItem) -> dict[str, Any] | None:
+    """A ReadItem of the plain parts as one flat list (a load plan holds one per box)."""
+    dest, storage = _index(x.dest_index), _index(x.storage_index)
+    boxes = (x.dest_offsets, x.storage_offsets, x.lengths)
+    if dest is None or storage is None or type(x.type) is not LoadItemType or any(type(b) is not torch.Size
+                                                                                   for b in boxes):
+        return None
+    return {"$ri": [x.type.name, dest, storage, *(list(b) for b in boxes)]}
+
+
+def _from_read_item(kind, dest, storage, dest_offsets, storage_offsets, lengths) -> ReadItem:
+    return ReadItem(LoadItemType[kind], MetadataIndex(*dest), torch.Size(dest_offsets), MetadataIndex(*storage),
+                    torch.Size(storage_offsets), torch.Size(lengths))
+
+
 def to_wire(x: Any) -> Any:
     t = type(x)
     if t in _PLAIN:
         return x
-    if t is WriteItem:
-        enc = _write_item(x)
+    if t is WriteItem or t is ReadItem:
+        enc = _write_item(x) if t is WriteItem else _read_item(x)
         if enc is not None:
             return enc
     if t is list:
@@ -147,6 +170,8 @@ def from_wire(x: Any) -> Any:
         return {k: from_wire(v) for k, v in x.items()}
     if first == "$wi":
         return _from_write_item(*x["$wi"])
+    if first == "$ri":
+        return _from_read_item(*x["$ri"])
     if "$dc" in x:
         cls = _lookup(x["$dc"])
         if cls not in _FIELDS_OF and not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
