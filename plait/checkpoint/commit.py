@@ -118,13 +118,17 @@ def merge(fragments: list[dict[str, Any]]) -> Metadata:
     return Metadata(tensors, values, len(fragments), files, file_meta)
 
 
-def finish(path: str, world_size: int, *, sync: bool, timeout: float) -> Metadata:
-    """Rank 0, once every rank has written: metadata last, then the atomic rename."""
+def finish(path: str, world_size: int, *, sync: bool, timeout: float,
+           fragments: list[dict[str, Any]] | None = None) -> Metadata:
+    """Rank 0, once every rank has written: metadata last, then the atomic rename.
+    `fragments`: the ranks' fragments in hand (the driven save gathered them); None: wait
+    for their files (async_save, whose background runs no collective)."""
     path = os.path.normpath(os.fspath(path))
     staging = staging_dir(path)
-    metadata = merge(_wait_fragments(staging, world_size, timeout))
+    on_disk = fragments is None
+    metadata = merge(_wait_fragments(staging, world_size, timeout) if on_disk else fragments)
     write_json(os.path.join(staging, METADATA_FILE), metadata.to_json(), sync=sync)
-    for r in range(world_size):
+    for r in range(world_size if on_disk else 0):
         os.remove(os.path.join(staging, f"__{r}.fragment.json"))
     if sync:
         _fsync_dir(staging)

@@ -8,9 +8,9 @@
           ReadItem per overlapping saved chunk -> resolve_tensor: the box of the local shard
           to copy into (a view: filled in place) -> load_bytes: the JSON value, assigned by path
 
-save()/load() with these planners and the file system storage take planner.py's direct
-path (SaveChunkPlanner.plan_leaves, LoadChunkPlanner.plan_reads); a subclass, or another
-storage layer, is driven through these methods in torch's order (driver.py). A value
+save()/load() drive these (and any subclass, with any storage layer) in torch's order
+(driver.py); async_save plans with SaveChunkPlanner.plan_leaves directly. On plait's own
+metadata create_local_plan is LoadChunkPlanner.plan_reads (its checks and messages). A value
 (BYTE_IO) is JSON (values.encode), never torch.save: plait's checkpoint runs no pickle.
 """
 
@@ -19,12 +19,14 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from plait.checkpoint import values as values_mod
 from plait.checkpoint.flatten import assign, flatten
+from plait.checkpoint.metadata import Metadata as FileMetadata
 from plait.checkpoint.metadata import safetensors_tag
 from plait.checkpoint.planner import (
     LoadChunkPlanner,
@@ -82,6 +84,8 @@ class DefaultSavePlanner(SaveChunkPlanner, SavePlanner):
             if found is None or not found[2]:  # off the mesh, or a replica another rank writes
                 continue
             local, offsets, _ = found
+            if local.numel() == 0 and v.numel() > 0:  # an empty piece (uneven shard): its offsets may
+                continue  # equal a real piece's, and dedup must not pick it as that piece's writer
             kind = WriteItemType.SHARD if isinstance(v, DTensor) else WriteItemType.TENSOR
             chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(local.shape))
             items.append(WriteItem(MetadataIndex(fqn, offsets), kind,
@@ -151,6 +155,8 @@ class DefaultLoadPlanner(LoadChunkPlanner, LoadPlanner):
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
+        if isinstance(self.metadata, FileMetadata):  # plait's own: plan_reads, its checks and messages
+            return self._plan_from_reads()
         self.report = []
         md = self.metadata.state_dict_metadata
         items: list[ReadItem] = []
@@ -166,6 +172,23 @@ class DefaultLoadPlanner(LoadChunkPlanner, LoadPlanner):
             else:
                 zero = torch.Size([0])
                 items.append(ReadItem(LoadItemType.BYTE_IO, MetadataIndex(fqn), zero, MetadataIndex(fqn), zero, zero))
+        return LoadPlan(items)
+
+    def _plan_from_reads(self) -> LoadPlan:
+        """ReadItems from plan_reads' boxes (the same reads as before, and plait's messages:
+        missing and unexpected keys, shape and dtype); a saved value: a BYTE_IO item."""
+        containers = {k for k, v in self.original_state_dict.items() if isinstance(v, Mapping)}
+        plan = self.plan_reads(self.state_dict, self.metadata, where=self.where,
+                               containers=containers)
+        items: list[ReadItem] = []
+        for r in plan.reads:
+            dst_offsets = [co + so - sh for co, so, sh in zip(r.chunk.offsets, r.src_offsets, r.shard_offsets)]
+            items.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(r.fqn, r.shard_offsets), torch.Size(dst_offsets),
+                                  MetadataIndex(r.fqn, r.chunk.offsets), torch.Size(r.src_offsets),
+                                  torch.Size(r.sizes)))
+        zero = torch.Size([0])
+        items.extend(ReadItem(LoadItemType.BYTE_IO, MetadataIndex(fqn), zero, MetadataIndex(fqn), zero, zero)
+                     for fqn in plan.values)
         return LoadPlan(items)
 
     def _reads(self, fqn: str, v: torch.Tensor, entry: TensorStorageMetadata) -> list[ReadItem]:

@@ -76,7 +76,9 @@ def _reduce_scatter(group: Group, what: str, error: BaseException | None, payloa
         if not failures:
             try:
                 results = central([from_wire(p) for _, p in got])
-                out = [[None, to_wire(x)] for x in results]
+                wired: dict[int, list] = {}  # an object sent to many ranks (all_reduce's) is encoded once
+                out = [wired.setdefault(id(x), [None, to_wire(x)]) if id(x) not in wired else wired[id(x)]
+                       for x in results]
             except Exception as e:  # noqa: BLE001 - the coordinator's failure must reach every rank
                 error, failures = e, [[0, _msg(e)]]
         if failures:

@@ -91,7 +91,9 @@ class Group:
             return objs[0]
         if self.rank == 0:
             assert objs is not None and len(objs) == self.size, (self.size, None if objs is None else len(objs))
-            blobs = [self._to_bytes(o) for o in objs]
+            encoded: dict[int, torch.Tensor] = {}  # the same object for many ranks: serialized once
+            blobs = [encoded[id(o)] if id(o) in encoded else encoded.setdefault(id(o), self._to_bytes(o))
+                     for o in objs]
             sizes = torch.tensor([b.numel() for b in blobs], dtype=torch.int64, device=self.device)
             data = torch.cat(blobs)
         else:

@@ -1,31 +1,32 @@
 """load: fill a state dict in place from a checkpoint saved in any layout.
 
-    metadata.json (every rank reads it) + flat leaves of the state dict -> load plan:
-      per local shard, the saved chunks that overlap it -> read those byte ranges, crc32
-      checked -> copy each overlap into the shard; non-tensor values assigned by path
-    -> agree (any rank's failure raised on all) -> Stateful members' load_state_dict
+    torch's order on the planner and reader (driver.py), the built-in ones too:
+      read_metadata (metadata.json, its crc32) -> set_up_planner -> set_up_storage_reader ->
+      create_local_plan (per local shard, the saved chunks that overlap it) -> [gather]
+      create_global_plan -> [scatter] finish_plan -> read_data (each file's size and header
+      crc32, each chunk's crc32; boxes copied into the shards, values via load_bytes)
+    -> [all_gather] any rank's failure raised on all -> Stateful members' load_state_dict
 
 Tensors are filled in place (a DTensor's local shard, a plain tensor whole), so the
-parameters an optimizer holds are the ones that change, as with torch's DCP.
+parameters an optimizer holds are the ones that change, as with torch's DCP. With the
+built-in planner and reader this rank's own error is raised as it was (ValueError,
+CorruptCheckpointError), another rank's as CheckpointError.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch.distributed import ProcessGroup
 
 from plait.checkpoint.default_planner import DefaultLoadPlanner
 from plait.checkpoint.driver import load_with
-from plait.checkpoint.flatten import assign, flatten
 from plait.checkpoint.group import Group
 from plait.checkpoint.planner_api import LoadPlanner
-from plait.checkpoint.stateful import Stateful, expand
+from plait.checkpoint.saver import builtin_errors
 from plait.checkpoint.storage import FileSystemReader
-from plait.checkpoint.storage_api import StorageReader
+from plait.checkpoint.storage_api import CheckpointException, StorageReader
 
 
 def resolve_reader(checkpoint_id: str | os.PathLike | None, storage_reader: StorageReader | None) -> StorageReader:
@@ -49,27 +50,13 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     LoadPlanner / StorageReader is driven in torch's call order (driver.py)."""
     reader = resolve_reader(checkpoint_id, storage_reader)
     group = Group(process_group, no_dist=no_dist)
-    if type(reader) is not FileSystemReader or (planner is not None and type(planner) is not DefaultLoadPlanner):
+    builtin = type(reader) is FileSystemReader and (planner is None or type(planner) is DefaultLoadPlanner)
+    if not builtin:
         load_with(state_dict, reader, planner or DefaultLoadPlanner(), group)
         return
     planner = planner or DefaultLoadPlanner()
-    error = None
+    planner.where = f"checkpoint {reader.path}"  # named in its messages (a missing key, a shape)
     try:
-        metadata = reader.read_metadata()
-        expanded, members = expand(state_dict)
-        leaves, paths = flatten(expanded, saved={*metadata.tensors, *metadata.values})
-        containers = {k for k, v in expanded.items() if isinstance(v, Mapping) or k in members}
-        plan = planner.plan_reads(leaves, metadata, where=f"checkpoint {reader.path}",
-                                  containers=containers)
-        with torch.no_grad():
-            reader.read(plan.reads)
-    except (ValueError, TypeError, OSError) as e:
-        error = e
-    group.agree(error)
-    for fqn, value in plan.values.items():
-        expanded = assign(expanded, paths[fqn], value)
-    for k, member in members.items():
-        member.load_state_dict(expanded[k])
-    for k, v in expanded.items():  # top-level non-tensor values replaced, as torch's load does
-        if k not in members and not isinstance(v, Stateful):
-            state_dict[k] = v
+        load_with(state_dict, reader, planner, group)
+    except CheckpointException as e:
+        raise builtin_errors(e, group) from None

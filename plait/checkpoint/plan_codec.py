@@ -3,6 +3,8 @@
     to_wire(SavePlan([WriteItem(MetadataIndex("w", (0,)), ...)])) -> JSON-able tree
     from_wire(to_wire(x)) == x      (dataclasses, enums, torch.Size/dtype/layout/memory_format,
                                      tuples, dicts with any hashable keys, primitives)
+    tagged: {"$size": [...]}, {"$dc": "module:Class", "fields": {...}}, ... (the first key
+    starts with "$"); a dict of str keys none of which starts with "$" goes as itself
 
 torch's DCP moves plans with all_gather_object (pickle). plait's checkpoint runs no
 pickle (group.py); a planner's or storage layer's own `planner_data` / `storage_data`
@@ -14,21 +16,43 @@ beyond the dataclass's own __init__.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from enum import Enum
 from typing import Any
 
 import torch
 
+from plait.checkpoint.planner_api import (
+    ChunkStorageMetadata,
+    LoadItemType,
+    MetadataIndex,
+    ReadItem,
+    TensorProperties,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
 _MEMORY_FORMATS = {str(f): f for f in (torch.contiguous_format, torch.channels_last, torch.preserve_format,
                                        torch.channels_last_3d)}
 _LAYOUTS = {str(x): x for x in (torch.strided, torch.sparse_coo, torch.sparse_csr)}
 
 
+@functools.cache
 def _type_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init or f.name == "index")
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+@functools.cache
 def _lookup(name: str) -> type:
     module, _, qualname = name.partition(":")
     obj: Any = importlib.import_module(module)
@@ -37,8 +61,74 @@ def _lookup(name: str) -> type:
     return obj
 
 
+def _write_item(x: WriteItem) -> dict[str, Any] | None:
+    """A WriteItem of the plain parts (every item the built-in planner makes) as one flat
+    list: a plan holds one per chunk, and the generic form costs ~15 tagged objects each.
+    None: some part is not the plain type (a subclass, a tuple for a Size): generic form."""
+    idx, td = x.index, x.tensor_data
+    if type(idx) is not MetadataIndex or x.bytes_io_data is not None or type(x.type) is not WriteItemType:
+        return None
+    tensor = None
+    if td is not None:
+        if not (type(td) is TensorWriteData and type(td.chunk) is ChunkStorageMetadata
+                and type(td.properties) is TensorProperties and type(td.size) is torch.Size
+                and type(td.chunk.offsets) is torch.Size and type(td.chunk.sizes) is torch.Size
+                and type(td.properties.dtype) is torch.dtype):
+            return None
+        p = td.properties
+        tensor = [list(td.chunk.offsets), list(td.chunk.sizes), list(td.size), str(p.dtype).removeprefix("torch."),
+                  str(p.layout), p.requires_grad, str(p.memory_format), p.pin_memory]
+    return {"$wi": [idx.fqn, None if idx.offset is None else list(idx.offset), idx.index, x.type.name, tensor]}
+
+
+def _from_write_item(fqn, offset, index, kind, tensor) -> WriteItem:
+    td = None
+    if tensor is not None:
+        offsets, sizes, size, dtype, layout, requires_grad, memory_format, pin = tensor
+        td = TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                             TensorProperties(getattr(torch, dtype), _LAYOUTS[layout], requires_grad,
+                                              _MEMORY_FORMATS[memory_format], pin), torch.Size(size))
+    return WriteItem(MetadataIndex(fqn, offset, index), WriteItemType[kind], tensor_data=td)
+
+
+def _index(i: Any) -> list | None:
+    if type(i) is not MetadataIndex or not (i.offset is None or type(i.offset) is torch.Size):
+        return None
+    return [i.fqn, None if i.offset is None else list(i.offset), i.index]
+
+
+def _read_item(x: ReadItem) -> dict[str, Any] | None:
+    """A ReadItem of the plain parts as one flat list (a load plan holds one per box)."""
+    dest, storage = _index(x.dest_index), _index(x.storage_index)
+    boxes = (x.dest_offsets, x.storage_offsets, x.lengths)
+    if dest is None or storage is None or type(x.type) is not LoadItemType or any(type(b) is not torch.Size
+                                                                                   for b in boxes):
+        return None
+    return {"$ri": [x.type.name, dest, storage, *(list(b) for b in boxes)]}
+
+
+def _from_read_item(kind, dest, storage, dest_offsets, storage_offsets, lengths) -> ReadItem:
+    return ReadItem(LoadItemType[kind], MetadataIndex(*dest), torch.Size(dest_offsets), MetadataIndex(*storage),
+                    torch.Size(storage_offsets), torch.Size(lengths))
+
+
 def to_wire(x: Any) -> Any:
-    if x is None or isinstance(x, (bool, int, float, str)):
+    t = type(x)
+    if t in _PLAIN:
+        return x
+    if t is WriteItem or t is ReadItem:
+        enc = _write_item(x) if t is WriteItem else _read_item(x)
+        if enc is not None:
+            return enc
+    if t is list:
+        return [to_wire(v) for v in x]
+    if t is torch.Size:
+        return {"$size": list(x)}
+    if t is dict and all(type(k) is str and not k.startswith("$") for k in x):
+        return {k: to_wire(v) for k, v in x.items()}  # a JSON object as is: tags all start with "$"
+    if t in _FIELDS_OF:
+        return {"$dc": _type_name(t), "fields": {n: to_wire(getattr(x, n)) for n in _FIELDS_OF[t]}}
+    if isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, torch.Size):
         return {"$size": list(x)}
@@ -51,8 +141,8 @@ def to_wire(x: Any) -> Any:
     if isinstance(x, Enum):
         return {"$enum": _type_name(type(x)), "name": x.name}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        fields = {f.name: to_wire(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init or f.name == "index"}
-        return {"$dc": _type_name(type(x)), "fields": fields}
+        _FIELDS_OF[t] = _fields(t)  # the next one of this class takes the fast path above
+        return {"$dc": _type_name(t), "fields": {n: to_wire(getattr(x, n)) for n in _FIELDS_OF[t]}}
     if isinstance(x, tuple):
         return {"$tuple": [to_wire(v) for v in x]}
     if isinstance(x, list):
@@ -66,11 +156,27 @@ def to_wire(x: Any) -> Any:
                     "enums, lists, tuples, dicts, str/int/float/bool/None and torch.Size/dtype")
 
 
+_FIELDS_OF: dict[type, tuple[str, ...]] = {}  # dataclasses met so far: their fields
+
+
 def from_wire(x: Any) -> Any:
-    if isinstance(x, list):
+    t = type(x)
+    if t is list:
         return [from_wire(v) for v in x]
-    if not isinstance(x, dict):
+    if t is not dict:
         return x
+    first = next(iter(x), "")
+    if not first.startswith("$"):
+        return {k: from_wire(v) for k, v in x.items()}
+    if first == "$wi":
+        return _from_write_item(*x["$wi"])
+    if first == "$ri":
+        return _from_read_item(*x["$ri"])
+    if "$dc" in x:
+        cls = _lookup(x["$dc"])
+        if cls not in _FIELDS_OF and not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise ValueError(f"checkpoint plan names {x['$dc']!r}, which is not a dataclass")
+        return cls(**{k: from_wire(v) for k, v in x["fields"].items()})
     if "$size" in x:
         return torch.Size(x["$size"])
     if "$dtype" in x:
@@ -84,11 +190,6 @@ def from_wire(x: Any) -> Any:
         if not (isinstance(cls, type) and issubclass(cls, Enum)):
             raise ValueError(f"checkpoint plan names {x['$enum']!r}, which is not an Enum")
         return cls[x["name"]]
-    if "$dc" in x:
-        cls = _lookup(x["$dc"])
-        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-            raise ValueError(f"checkpoint plan names {x['$dc']!r}, which is not a dataclass")
-        return cls(**{k: from_wire(v) for k, v in x["fields"].items()})
     if "$tuple" in x:
         return tuple(from_wire(v) for v in x["$tuple"])
     if "$dict" in x:

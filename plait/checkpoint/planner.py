@@ -8,8 +8,8 @@
     load: flat leaves + Metadata -> ChunkReads: for each local shard, every saved chunk that
           overlaps it, with the box to copy (src offsets in the chunk, dst offsets in the shard)
 
-save()/load() with the built-in planner and file system storage call plan_leaves / plan_reads
-directly; default_planner.py puts these classes behind torch's SavePlanner / LoadPlanner
+async_save calls plan_leaves directly; DefaultLoadPlanner.create_local_plan calls plan_reads
+on plait's metadata; default_planner.py puts these classes behind torch's SavePlanner / LoadPlanner
 protocol (planner_api.py, re-exported here as torch's ...checkpoint.planner has them).
 
 Both are pure functions of shapes and coordinates, so any saved layout reads into any
@@ -70,6 +70,7 @@ class ChunkRead:
     src_offsets: tuple[int, ...]  # the box inside the saved chunk
     dst: torch.Tensor  # the box inside the local shard (a view to copy into)
     sizes: tuple[int, ...]
+    shard_offsets: tuple[int, ...] = ()  # the local shard's place in the global tensor
 
 
 @dataclass
@@ -205,6 +206,7 @@ class LoadChunkPlanner:
                              "flatten_state_dict/flatten_sharded_tensors=False are not supported")
         self.allow_partial_load = allow_partial_load
         self.report: list[str] = []
+        self.where = "the checkpoint"  # what messages call it (load() names the path)
 
     def _problem(self, msg: str) -> None:
         if not self.allow_partial_load:
@@ -262,7 +264,7 @@ class LoadChunkPlanner:
             for d, (start, n) in enumerate(zip(lo, size)):
                 dst = dst.narrow(d, start - offsets[d], n)
             src = tuple(lo_d - c_d for lo_d, c_d in zip(lo, c.offsets))
-            plan.reads.append(ChunkRead(fqn, c, dtype, src, dst, tuple(size)))
+            plan.reads.append(ChunkRead(fqn, c, dtype, src, dst, tuple(size), tuple(offsets)))
             covered += math.prod(size)
         if covered != local.numel():
             raise ValueError(f"{where} covers {covered} of the {local.numel()} elements of this rank's "

@@ -1,17 +1,23 @@
 """save: every rank writes the chunks it owns, in parallel; rank 0 commits.
 
-    state dict -> Stateful members expanded -> flat leaves -> local plan (planner)
-      -> agree (errors, plain-tensor holders; rank 0 has made PATH.incomplete)
-      -> write own files + fragment -> agree -> rank 0: metadata.json, rename -> agree
+    save(): torch's order on the planner and writer (driver.py), the built-in ones too:
+      set_up_planner -> set_up_storage_writer (rank 0 makes PATH.incomplete) ->
+      create_local_plan -> [gather] create_global_plan (one writer per chunk) -> [scatter]
+      finish_plan -> write_data (own files, crc32 as written) -> [gather] finish (rank 0:
+      metadata.json, fsync, rename) -> [scatter] every rank returns plait's Metadata
+    async_save(): prepare (plan + agree) here, write_own + commit on its thread (async_saver.py)
 
-Every failure, on any rank, is raised on every rank at the next agree, so no rank is left
-waiting; the checkpoint is then not committed and the previous one at PATH is untouched.
-The same steps, split at the write, make async_save.
+Every failure, on any rank, is raised on every rank at the next exchange, so no rank is
+left waiting; the checkpoint is then not committed, PATH.incomplete is removed and the
+previous checkpoint at PATH is untouched. With the built-in planner and writer this rank's
+own error is raised as it was (ValueError naming the key), another rank's as
+CheckpointError; a custom one gets torch's CheckpointException.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +27,13 @@ from plait.checkpoint import commit
 from plait.checkpoint.default_planner import DefaultSavePlanner
 from plait.checkpoint.driver import save_with
 from plait.checkpoint.flatten import flatten
-from plait.checkpoint.group import Group
+from plait.checkpoint.group import CheckpointError, Group
 from plait.checkpoint.metadata import METADATA_FILE, Metadata
 from plait.checkpoint.planner import ChunkSavePlan, ChunkWrite
 from plait.checkpoint.planner_api import SavePlanner
 from plait.checkpoint.stateful import expand
 from plait.checkpoint.storage import FileSystemWriter
-from plait.checkpoint.storage_api import StorageWriter
+from plait.checkpoint.storage_api import CheckpointException, StorageWriter
 
 COMMIT_TIMEOUT_S = 1800.0  # rank 0 waits this long for the other ranks' files (async save)
 
@@ -46,8 +52,8 @@ def resolve_writer(checkpoint_id: str | os.PathLike | None, storage_writer: Stor
 
 
 def is_direct(writer: StorageWriter, planner: SavePlanner | None) -> bool:
-    """The built-in planner and writer take the direct path; anything else is driven through
-    torch's protocol (driver.py), so every override is called where torch calls it."""
+    """The built-in planner and writer: save keeps plait's errors for them (builtin_errors),
+    async_save splits their write off to a thread (prepare / write_own)."""
     return type(writer) is FileSystemWriter and (planner is None or type(planner) is DefaultSavePlanner)
 
 
@@ -104,26 +110,37 @@ def read_committed(path: str) -> Metadata:
         return Metadata.from_json(f.read(), where=where)
 
 
+def builtin_errors(e: CheckpointException, group: Group) -> BaseException:
+    """The built-in planner and writer keep plait's errors: this rank's own (a ValueError
+    naming the key, an OSError) as it was raised, another rank's as CheckpointError."""
+    own = e.failures.get(group.rank)
+    if isinstance(own, BaseException):
+        return own
+    r = min(e.failures)
+    return CheckpointError(f"checkpoint failed on rank {r} ({len(e.failures)} rank(s) failed): {e.failures[r]}")
+
+
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
          process_group: ProcessGroup | None = None, no_dist: bool = False) -> Metadata:
     """Save `state_dict` (plain tensors, DTensors, Stateful members, JSON-able values) to the
     directory `checkpoint_id`, every rank writing its own chunks. Collective over
     `process_group` (default: the world, or this process alone when none is initialized or
-    no_dist=True). A custom SavePlanner / StorageWriter is driven in torch's call order."""
+    no_dist=True). The planner (DefaultSavePlanner) and writer (FileSystemWriter) are driven
+    in torch's call order (driver.py), the built-in ones as a custom one."""
     from plait.checkpoint.async_saver import wait_previous  # async_saver builds on this module
 
     wait_previous()
     writer = resolve_writer(checkpoint_id, storage_writer)
+    group = Group(process_group, no_dist=no_dist)
     if not is_direct(writer, planner):
-        return save_with(state_dict, writer, planner or DefaultSavePlanner(), Group(process_group, no_dist=no_dist))
-    p = prepare(state_dict, None, writer, planner, process_group, no_dist)
-    p.group.agree(write_own(p, p.plan.items))
-    error, metadata = None, None
-    if p.group.rank == 0:
-        try:
-            metadata = commit.finish(p.writer.path, p.group.size, sync=p.writer.sync_files, timeout=COMMIT_TIMEOUT_S)
-        except (OSError, ValueError, RuntimeError, TimeoutError) as e:
-            error = e
-    p.group.agree(error)
-    return metadata if metadata is not None else read_committed(os.path.normpath(p.writer.path))
+        return save_with(state_dict, writer, planner or DefaultSavePlanner(), group)
+    try:
+        save_with(state_dict, writer, planner or DefaultSavePlanner(), group)
+    except CheckpointException as e:
+        if group.rank == 0:  # every rank is past its writes (the driver's steps are collective):
+            shutil.rmtree(commit.staging_dir(writer.path), ignore_errors=True)  # nothing half-written stays
+        raise builtin_errors(e, group) from None
+    # plait's record of the commit (it also has torch's state_dict_metadata view), on every rank
+    committed = getattr(writer, "committed", None) if group.rank == 0 else None
+    return committed if committed is not None else read_committed(os.path.normpath(writer.path))

@@ -5,20 +5,19 @@
         a file per chunk)
     reader.read_metadata() -> Metadata          (refuses an incomplete checkpoint, says why;
         metadata.json's own crc32 checked)
-    reader.read(reads)                           (each file read from: its size and header
-        crc32 checked once; every chunk's crc32 checked; a chunk that is exactly one local
-        box is read straight into it, the rest through a buffer)
 A corrupt byte raises CorruptCheckpointError naming the file (the tensor where there is
 one), the checkpoint, and the previous complete one beside it (integrity.describe).
 
-Both also implement torch's StorageWriter / StorageReader protocol (storage_api.py), which
-save()/load() drive for a custom planner, and a custom storage layer may wrap:
+Both implement torch's StorageWriter / StorageReader protocol (storage_api.py), which
+save()/load() drive (driver.py), and a custom storage layer may wrap:
     write_data(plan, planner): resolve_data per item -> the same files -> WriteResults whose
         storage_data is the ChunkMeta and the file's FileMeta (a value: its JSON)
     finish(metadata, results): the results as per-rank fragments -> commit.finish (the
-        atomic commit the direct path uses)
-    read_data(plan, planner): the same checks as read (file size and header, chunk crc32)
-        -> resolve_tensor, copy_, commit_tensor per box; a value: load_bytes with its JSON
+        atomic commit async_save's thread also uses); self.committed: plait's Metadata
+    read_data(plan, planner): each file read from: its size and header crc32 checked once;
+        every chunk's crc32 checked -> resolve_tensor per box; a box that is a whole chunk
+        and a contiguous CPU tensor is read straight into it, the rest copy_ from a buffer;
+        commit_tensor; a value: load_bytes with its JSON
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import os
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -44,7 +42,7 @@ from plait.checkpoint.metadata import (
     Metadata,
     dtype_name,
 )
-from plait.checkpoint.planner import ChunkRead, ChunkWrite
+from plait.checkpoint.planner import ChunkWrite
 from plait.checkpoint.planner_api import (
     LoadItemType,
     LoadPlan,
@@ -112,7 +110,7 @@ class FileSystemWriter(StorageWriter):
         def one(name: str, bucket: list[ChunkWrite]) -> list[tuple[ChunkWrite, tuple[str, int, int, int]]]:
             written = write_file(os.path.join(staging, name),
                                  [(chunk_name(it.fqn, it.offsets), it.data) for it in bucket], sync=self.sync_files)
-            file_meta[name] = asdict(written.file_meta)  # one key per thread: no lock needed
+            file_meta[name] = dict(vars(written.file_meta))  # one key per thread: no lock needed
             return list(zip(bucket, written))
 
         if self.thread_count > 1 and len(buckets) > 1:
@@ -123,7 +121,8 @@ class FileSystemWriter(StorageWriter):
         chunks: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for (file, _), result in zip(buckets, results):
             for it, (name, begin, nbytes, crc) in result:
-                chunks[it.fqn].append(asdict(ChunkMeta(list(it.offsets), list(it.sizes), file, name, begin, nbytes, crc)))
+                # vars, not asdict: asdict deep-copies field by field (~70 Python calls a chunk)
+                chunks[it.fqn].append(dict(vars(ChunkMeta(list(it.offsets), list(it.sizes), file, name, begin, nbytes, crc))))
         return [f for f, _ in buckets], dict(chunks), file_meta
 
     # torch's StorageWriter protocol (driver.py calls these in torch's order)
@@ -177,7 +176,7 @@ class FileSystemWriter(StorageWriter):
 
     def finish(self, metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: each rank's results as its fragment, then the direct path's commit."""
-        staging = commit.staging_dir(self.path)
+        fragments: list[dict[str, Any]] = []
         pd = metadata.planner_data
         layouts = pd.get(LAYOUTS, {}) if isinstance(pd, dict) else {}  # DefaultSavePlanner's, if kept
         tensors = {fqn: {"shape": list(e.size), "dtype": dtype_name(e.properties.dtype),
@@ -193,10 +192,10 @@ class FileSystemWriter(StorageWriter):
                 else:
                     chunks[res.index.fqn].append(res.storage_data["chunk"])
                     file_meta[res.storage_data["chunk"]["file"]] = res.storage_data["file_meta"]
-            body = {"rank": r, "tensors": tensors if r == 0 else {}, "chunks": dict(chunks), "values": values,
-                    "files": sorted(file_meta), "file_meta": file_meta, "error": None}
-            commit.write_fragment(staging, r, body, sync=False)
-        commit.finish(self.path, len(results), sync=self.sync_files, timeout=COMMIT_TIMEOUT_S)
+            fragments.append({"rank": r, "tensors": tensors if r == 0 else {}, "chunks": dict(chunks),
+                              "values": values, "files": sorted(file_meta), "file_meta": file_meta, "error": None})
+        self.committed = commit.finish(self.path, len(results), sync=self.sync_files, timeout=COMMIT_TIMEOUT_S,
+                                       fragments=fragments)
 
 
 class FileSystemReader(StorageReader):
@@ -229,36 +228,6 @@ class FileSystemReader(StorageReader):
                 self._fqns[c.file].append(fqn)
         return md
 
-    def read(self, reads: list[ChunkRead]) -> None:
-        try:
-            self._read(reads)
-        except CorruptCheckpointError as e:
-            raise type(e)(integrity.describe(self.path, str(e))) from None
-
-    def _read(self, reads: list[ChunkRead]) -> None:
-        for file in sorted({r.chunk.file for r in reads}):
-            if file in self._file_meta:  # absent in a version-1 checkpoint: chunks checked only
-                check_file(os.path.join(self.path, file), self._file_meta[file], file=file, fqns=self._fqns[file])
-        by_chunk: dict[tuple[str, int], list[ChunkRead]] = defaultdict(list)
-        for r in reads:
-            by_chunk[(r.chunk.file, r.chunk.begin)].append(r)
-        for (file, _), group in sorted(by_chunk.items()):
-            first = group[0]
-            c = first.chunk
-            path = os.path.join(self.path, file)
-            dst = first.dst
-            whole = (len(group) == 1 and list(first.sizes) == list(c.sizes) and dst.is_contiguous()
-                     and dst.device.type == "cpu" and dst.dtype == first.dtype)
-            if whole:  # straight into the local shard: no buffer, no copy
-                read_chunk(path, c, fqn=first.fqn, into=dst.reshape(-1).view(torch.uint8))
-                continue
-            buf = read_chunk(path, c, fqn=first.fqn)
-            src_full = buf.view(first.dtype).view(c.sizes)
-            for r in group:
-                src = src_full
-                for d, (start, n) in enumerate(zip(r.src_offsets, r.sizes)):
-                    src = src.narrow(d, start, n)
-                r.dst.copy_(src)
     # torch's StorageReader protocol (driver.py calls these in torch's order)
 
     @classmethod
@@ -289,25 +258,34 @@ class FileSystemReader(StorageReader):
             else:
                 by_chunk[r.storage_index].append(r)
         chunks = {index: md.storage_data.get(index) for index in by_chunk}
+        fqns = self._fqns if self._file_meta is md.file_meta else None  # read_metadata's, else found here
         for file in sorted({c.file for c in chunks.values() if c is not None}):
             if file in md.file_meta:  # absent in a version-1 checkpoint: chunks checked only
-                fqns = sorted({fqn for fqn, t in md.tensors.items() for ch in t.chunks if ch.file == file})
-                check_file(os.path.join(self.path, file), md.file_meta[file], file=file, fqns=fqns)
+                held = fqns[file] if fqns is not None else [f for f, t in md.tensors.items() for ch in t.chunks
+                                                            if ch.file == file]
+                check_file(os.path.join(self.path, file), md.file_meta[file], file=file, fqns=held)
         for index, reads in by_chunk.items():
             c = chunks[index]
             if c is None:
                 raise ValueError(f"checkpoint {self.path} has no chunk of {index.fqn!r} at offsets "
                                  f"{list(index.offset or ())}: the load plan asks for one it never saved")
             dtype = md.state_dict_metadata[index.fqn].properties.dtype
-            src_full = read_chunk(os.path.join(self.path, c.file), c, fqn=index.fqn).view(dtype).view(c.sizes)
+            path = os.path.join(self.path, c.file)
+            whole = len(reads) == 1 and list(reads[0].lengths) == list(c.sizes)  # the chunk is one box
+            src_full = None
             for r in reads:
-                src = src_full
-                for d, (start, n) in enumerate(zip(r.storage_offsets, r.lengths)):
-                    src = src.narrow(d, start, n)
                 target = planner.resolve_tensor(r).detach()
-                if tuple(target.shape) != tuple(src.shape):
+                if tuple(target.shape) != tuple(r.lengths):
                     raise ValueError(f"resolve_tensor gave {index.fqn!r} shape {list(target.shape)} for a box "
-                                     f"of {list(src.shape)}")
-                target.copy_(src)
+                                     f"of {list(r.lengths)}")
+                if whole and target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu":
+                    read_chunk(path, c, fqn=index.fqn, into=target.reshape(-1).view(torch.uint8))  # no buffer
+                else:
+                    if src_full is None:
+                        src_full = read_chunk(path, c, fqn=index.fqn).view(dtype).view(c.sizes)
+                    src = src_full
+                    for d, (begin, n) in enumerate(zip(r.storage_offsets, r.lengths)):
+                        src = src.narrow(d, begin, n)
+                    target.copy_(src)
                 planner.commit_tensor(r, target)
         return done(None)

@@ -13,6 +13,7 @@ and with a failing rank (CheckpointException on every rank, nothing committed).
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 
@@ -248,3 +249,72 @@ def test_driven_load_still_checks_every_byte(tmp_path):
         dcp.load(state(zero=True), checkpoint_id=path, planner=Custom())
     failure = info.value.failures[0]
     assert isinstance(failure, dcp.CorruptCheckpointError) and "__0_0.safetensors" in str(failure)
+
+
+PROTOCOL = {"planner": ("set_up_planner", "create_local_plan", "create_global_plan", "finish_plan", "resolve_data"),
+            "writer": ("storage_meta", "set_up_storage_writer", "prepare_local_plan", "prepare_global_plan",
+                       "write_data", "finish"),
+            "load planner": ("set_up_planner", "create_local_plan", "create_global_plan", "finish_plan",
+                             "load_bytes", "resolve_tensor", "commit_tensor"),
+            "reader": ("read_metadata", "set_up_storage_reader", "prepare_local_plan", "prepare_global_plan",
+                       "read_data")}
+
+
+def _spy(method, name: str, calls: list[str], depth: list[int]):
+    """Log `name` unless the planner or writer calls it from inside one of its own methods
+    (torch's FileSystemWriter.finish calls its storage_meta), a run of one name once."""
+    @functools.wraps(method)  # the signature stays the method's: both check for storage_meta / **kwargs
+    def spy(*args, **kwargs):
+        if depth[0] == 0 and (not calls or calls[-1] != name):
+            calls.append(name)
+        depth[0] += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    return spy
+
+
+def _record_plain(src_name: str, path: str, monkeypatch, what: str) -> list[str]:
+    """Plain save / load (state, checkpoint_id=path): the protocol calls the built-in planner
+    and storage layer receive, in order (a run of one name, as resolve_data's, counted once)."""
+    src = source(src_name)
+    roles = ((("planner", src.dcp.DefaultSavePlanner), ("writer", src.dcp.FileSystemWriter)) if what == "save"
+             else (("load planner", src.dcp.DefaultLoadPlanner), ("reader", src.dcp.FileSystemReader)))
+    calls: list[str] = []
+    for role, cls in roles:
+        depth = [0]  # one per role: the planner's calls from inside write_data are the protocol's
+        for name in PROTOCOL[role]:
+            monkeypatch.setattr(cls, name, _spy(getattr(cls, name), f"{role}.{name}", calls, depth))
+    if what == "save":
+        src.dcp.save(state(), checkpoint_id=path, no_dist=True)
+    else:
+        src.dcp.load(state(zero=True), checkpoint_id=path, no_dist=True)
+    monkeypatch.undo()
+    return calls
+
+
+def test_plain_save_takes_the_builtin_planner_and_writer_in_torchs_order(tmp_path, monkeypatch):
+    got = {name: _record_plain(name, str(tmp_path / name), monkeypatch, "save") for name in ("torch", "plait")}
+    assert got["plait"] == got["torch"] == [
+        "writer.storage_meta", "planner.set_up_planner", "writer.set_up_storage_writer", "planner.create_local_plan",
+        "writer.prepare_local_plan", "planner.create_global_plan", "writer.prepare_global_plan",
+        "planner.finish_plan", "writer.write_data", "planner.resolve_data", "writer.finish"], got
+    loaded = state(zero=True)
+    source("plait").dcp.load(loaded, checkpoint_id=str(tmp_path / "plait"), no_dist=True)
+    assert torch.equal(loaded["head"], torch.arange(3.0))
+    assert all(torch.equal(loaded["model"][k].view(torch.uint8), v.view(torch.uint8))  # bitwise: NaNs too
+               for k, v in state()["model"].items())
+
+
+def test_plain_load_takes_the_builtin_planner_and_reader_in_torchs_order(tmp_path, monkeypatch):
+    for name in ("torch", "plait"):
+        source(name).dcp.save(state(), checkpoint_id=str(tmp_path / name), no_dist=True)
+    got = {name: _record_plain(name, str(tmp_path / name), monkeypatch, "load") for name in ("torch", "plait")}
+    # one box per tensor here: resolve_tensor and commit_tensor alternate, as many times as tensors
+    boxes = ["load planner.resolve_tensor", "load planner.commit_tensor"] * (len(reference()) + 1)
+    assert got["plait"] == got["torch"] == [
+        "reader.read_metadata", "load planner.set_up_planner", "reader.set_up_storage_reader",
+        "load planner.create_local_plan", "reader.prepare_local_plan", "load planner.create_global_plan",
+        "reader.prepare_global_plan", "load planner.finish_plan", "reader.read_data", *boxes], got

@@ -56,3 +56,27 @@ def test_load_plan_covers_every_piece_once(save_mesh, load_mesh):
                     (lo0, lo1), (n0, n1) = box
                     hits[lo0 - offsets[0]:lo0 - offsets[0] + n0, lo1 - offsets[1]:lo1 - offsets[1] + n1] += 1
             assert torch.equal(hits, torch.ones(sizes, dtype=torch.int64)), (save_pl, load_pl, coordinate)
+
+
+def test_plan_codec_round_trips_the_flat_and_the_generic_forms():
+    """WriteItem / ReadItem of plain parts travel flat ($wi / $ri), anything else tagged; a
+    dict of str keys goes as a JSON object unless a key could be read as a tag."""
+    import json
+
+    from plait.checkpoint import planner_api as api
+    from plait.checkpoint.plan_codec import from_wire, to_wire
+
+    props = api.TensorProperties(torch.bfloat16, requires_grad=True)
+    flat = api.WriteItem(api.MetadataIndex("w", (2, 0)), api.WriteItemType.SHARD, tensor_data=api.TensorWriteData(
+        api.ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3])), props, torch.Size([4, 3])))
+    generic = api.WriteItem(api.MetadataIndex("w"), api.WriteItemType.TENSOR, tensor_data=api.TensorWriteData(
+        api.ChunkStorageMetadata((0,), (3,)), props, torch.Size([3])))  # tuples, not Sizes: kept as tuples
+    read = api.ReadItem(api.LoadItemType.TENSOR, api.MetadataIndex("w", (2, 0), 7), torch.Size([0, 1]),
+                        api.MetadataIndex("w", (0, 0)), torch.Size([2, 1]), torch.Size([2, 2]))
+    data = {"plain": {"a": 1}, "tag-like": {"$size": 3}, 5: "int key"}
+    wired = to_wire([flat, generic, read, data])
+    assert [next(iter(w)) for w in wired[:3]] == ["$wi", "$dc", "$ri"]
+    assert wired[3] == {"$dict": [["plain", {"a": 1}], ["tag-like", {"$dict": [["$size", 3]]}], [5, "int key"]]}
+    back = from_wire(json.loads(json.dumps(wired)))
+    assert back == [flat, generic, read, data]
+    assert type(back[1].tensor_data.chunk.offsets) is tuple and back[2].dest_index.index == 7
