@@ -252,7 +252,7 @@ def train(config: JobConfig) -> TrainResult:
         peak_live = None
         if live is not None:
             live.__exit__(None, None, None)
-            peak_live = torch.tensor(float(live.peak), dtype=torch.float64)
+            peak_live = torch.tensor(float(live.peak), dtype=torch.float64, device=device)
             comm.all_reduce(peak_live, group=comm.world_group(), op="max")
             peak_live = int(peak_live)
         lr = schedulers[0].get_last_lr()[0]
