@@ -14,7 +14,7 @@
        counted tensor by tensor), max over ranks, against the ZeRO-3 formula 16Ψ/N; the
        peak of unsharded flat buffers alive at once against root + the two largest
        other groups (the prefetch bound; without resharding after forward: every group)
-    -> peak live tensor bytes during one step (benchmarks.live_bytes: every tensor an op
+    -> peak live tensor bytes during one step (plait.train.live_bytes: every tensor an op
        makes or autograd saves, plus params, grads, optimizer state and the unsharded
        buffers, each storage at its current size), plait and torch under the same count,
        against 16Ψ/N + the root's and the two largest other unsharded groups; the rest is
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import alternating_times, human_bytes, max_over_ranks, median, print_table
-from benchmarks.live_bytes import LiveBytes
 from plait import comm
 from plait.debug import CommDebugMode
 from plait.fsdp import fully_shard
 from plait.models.llama import CONFIGS, Transformer
 from plait.testing import run_distributed
+from plait.train.live_bytes import LiveBytes
 
 BATCH_PER_RANK = 2
 SEQ = 128
@@ -218,7 +218,7 @@ def run(quick: bool) -> None:
         ["ranks", "reshard_after_forward", "plait peak", "torch peak", "plait/torch",
          "16Ψ/N + unsharded bound", "plait peak - formula", "plait / formula"],
         live_rows,
-        notes="benchmarks.live_bytes: every storage alive at once, at its current size, after each op of one "
+        notes="plait.train.live_bytes: every storage alive at once, at its current size, after each op of one "
               "forward + backward + AdamW step, counted the same way for plait and torch; formula: 16Ψ/N plus "
               "the root's and the two largest other groups' unsharded buffers (every group without resharding "
               "after forward). The excess is what the formula leaves out: activations saved for backward, "

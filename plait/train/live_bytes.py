@@ -12,8 +12,8 @@ other, so no saved-tensor hook of the checkpoint's hides them. A storage resized
 freed unsharded parameters) counts 0 while freed. Views count once (their base's storage).
 The cost, a pass over the live tensors per op, is paid only in the step measured
 (`--metrics.live_bytes true`: the second, when AdamW's state is alive
-throughout as in every later step; plait plan --compare's timings leave it out). The same rule
-as benchmarks/live_bytes.py, which bench_fsdp uses for plait and torch alike.
+throughout as in every later step; plait plan --compare's timings leave it out). bench_fsdp
+counts plait and torch by this same rule.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor | None:
-    local = getattr(t, "_local_tensor", None)  # a DTensor holds no storage itself
+    local = getattr(t, "_local_tensor", None)  # a DTensor (plait's or torch's) holds no storage itself
     t = local if isinstance(local, torch.Tensor) else t
     return None if t.is_meta else t
 
