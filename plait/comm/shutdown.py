@@ -132,7 +132,10 @@ def _native_threads() -> list[str] | None:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return None
-    python = {t.native_id for t in threading.enumerate()}
+    # this thread by the kernel's id: after os.fork() CPython 3.11 keeps the parent's id in
+    # threading.main_thread().native_id, and a forked child's hook took itself for a runnable
+    # native thread and polled to the deadline (PLAIT_EXIT_QUIESCE_S: 10 s, ~2 CPU s)
+    python = {t.native_id for t in threading.enumerate()} | {threading.get_native_id()}
     return [tid for tid in tids if int(tid) not in python]
 
 
