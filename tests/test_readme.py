@@ -1,15 +1,22 @@
 """The README's examples run: each Python block that starts a process group is run as a
 script under `plait run` on a local rank count that fits it (the CommDebugMode block
-continues the plait.comm block, as the README reads)."""
+continues the plait.comm block, as the README reads).
+
+One launch per rank count (8, 4, 2: three launches for ten examples, one at a time), in which
+tests/readme_driver.py runs each example as its own script in a fork of the worker, with the
+launcher's RANK/WORLD_SIZE and a fresh rendezvous store. Every example must exit 0 on every
+rank. Ten launches of their own cost 152 CPU s (30 workers, each importing torch and
+torch._dynamo and walking their objects at exit); these three cost ~77.
+"""
 
 import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DRIVER = Path(__file__).resolve().parent / "readme_driver.py"
 
 
 def _blocks() -> list[str]:
@@ -45,36 +52,27 @@ def test_readme_examples_run_under_plait_run(tmp_path):
     assert not failures, "\n".join(f"--- README example {n!r} failed:\n{o[-3000:]}" for n, o in failures.items())
 
 
-MAX_RANKS = 8  # ranks running at once: the 8-rank example alone, or several small ones, never all
-
-
 def _run(jobs: dict, tmp_path: Path) -> dict[str, str]:
-    """Run the jobs under `plait run`, at most MAX_RANKS ranks at a time (28 ranks at once on 2
-    cores only thrash); return the output of those that failed. Each job's bound starts with it."""
+    """One `plait run` per rank count, one after another, each running its examples in order
+    through tests/readme_driver.py (one fork per example); return the output of each example
+    that did not exit 0 on every rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    waiting = sorted(jobs.items(), key=lambda item: -item[1][1])  # the 8-rank job first, then fill in
-    running: dict[str, tuple[subprocess.Popen, int, float]] = {}
+    by_ranks: dict[int, list[str]] = {}
+    for name, (script, ranks) in jobs.items():
+        (tmp_path / f"{name}.py").write_text(script)
+        by_ranks.setdefault(ranks, []).append(name)
     failures = {}
-    while waiting or running:
-        for name, (script, ranks) in list(waiting):
-            if sum(r for _, r, _ in running.values()) + ranks > MAX_RANKS and running:
-                continue
-            path = tmp_path / f"{name}.py"
-            path.write_text(script)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "plait.run", "--standalone", "--nproc-per-node", str(ranks), str(path)],
-                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            running[name] = (proc, ranks, time.monotonic())
-            waiting.remove((name, (script, ranks)))
-        done = next((n for n, (p, _, t0) in running.items()
-                     if p.poll() is not None or time.monotonic() - t0 > 240), None)
-        if done is None:
-            time.sleep(0.2)
-            continue
-        proc, _, _ = running.pop(done)
-        if proc.poll() is None:
-            proc.kill()
-        out = proc.communicate()[0]
-        if proc.returncode != 0 or "terminate called" in out:  # Gloo's exit-time abort: tests/comm/test_exit.py
-            failures[done] = out
+    for ranks, names in sorted(by_ranks.items(), reverse=True):
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "plait.run", "--standalone", "--nproc-per-node", str(ranks), str(DRIVER),
+                 *(f"{n}.py" for n in names)],
+                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240).stdout
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() + "\n(timed out after 240 s)"
+        for name in names:
+            ok = re.findall(rf"README example {name}: rank (\d+) exit 0$", out, flags=re.M)
+            # Gloo's exit-time abort (tests/comm/test_exit.py) would print this and still exit 0 here
+            if sorted(map(int, ok)) != list(range(ranks)) or "terminate called" in out:
+                failures[name] = out
     return failures
