@@ -17,7 +17,8 @@ Tolerances: every printed number within 1e-5 relative of torch's. The two librar
 the same float32 terms in other orders (reduce-scatter, all-reduce); measured: FSDP x TP
 output sums equal to all 10 printed digits for 10 steps, FSDP2 losses within 1.1e-7
 relative over 10 steps of Adam (lr 1e-2, clipped) and a resume. A resumed run equals plait's
-uninterrupted run exactly (the same shards, the same state, the same order of reduction).
+uninterrupted run exactly (the same shards, the same state, the same order of reduction);
+one uninterrupted run, under --dcp-api, serves both APIs (the `uninterrupted` fixture).
 """
 
 import os
@@ -90,8 +91,18 @@ def test_fsdp_tp_example_has_torchs_placements_and_numbers(tmp_path):
     _assert_close(sums["plait"], sums["torch"])
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """plait's fsdp2 losses over 10 steps in one launch (--dcp-api), shared by both APIs' tests:
+    the pretrained model loads to the same shards either way, so each API's resumed run must
+    equal this one exactly (one launch of 2 ranks for both, not one each)."""
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    script = _scripts(cwd, "fsdp2.py")["plait"]
+    return _numbers(_launch("plait", script, cwd, 2, "--dcp-api", "--steps", "10"), "loss")
+
+
 @pytest.mark.parametrize("api", ["--dcp-api", "--dtensor-api"])
-def test_fsdp2_example_resumes_to_torchs_numbers(tmp_path, api):
+def test_fsdp2_example_resumes_to_torchs_numbers(tmp_path, api, uninterrupted):
     scripts = _scripts(tmp_path, "fsdp2.py")
     flags = [api] if api == "--dcp-api" else []
 
@@ -111,8 +122,4 @@ def test_fsdp2_example_resumes_to_torchs_numbers(tmp_path, api):
     assert ours.keys() == theirs.keys()
     for fqn, value in theirs.items():
         torch.testing.assert_close(ours[fqn], value, rtol=1e-4, atol=1e-5, msg=lambda m, f=fqn: f"{f}: {m}")
-
-    uninterrupted = tmp_path / "uninterrupted"
-    uninterrupted.mkdir()
-    assert _numbers(_launch("plait", scripts["plait"], uninterrupted, 2, *flags, "--steps", "10"), "loss") == \
-        losses["plait"]
+    assert uninterrupted == losses["plait"]
