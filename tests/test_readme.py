@@ -5,8 +5,8 @@ continues the plait.comm block, as the README reads).
 One launch per rank count (8, 4, 2: three launches for ten examples, one at a time), in which
 tests/readme_driver.py runs each example as its own script in a fork of the worker, with the
 launcher's RANK/WORLD_SIZE and a fresh rendezvous store. Every example must exit 0 on every
-rank. Ten launches of their own cost 152 CPU s (30 workers, each importing torch and
-torch._dynamo and walking their objects at exit); these three cost ~77.
+rank. Ten launches of their own cost 113-152 CPU s (30 workers, each importing torch and
+torch._dynamo and walking their objects at exit); these three cost 57-78 (load 4-20, shared).
 """
 
 import os
