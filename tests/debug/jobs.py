@@ -2,11 +2,15 @@
 
 Real processes, not the test pool: the watchdog ends its process, and "no process left
 hanging" is part of what the tests check. Every rank that outlives `limit_s` is killed and
-reported as hanging.
+reported as hanging. The ranks are forked by zygote.py, which has torch imported already
+(1.5 CPU s a rank saved); a job that sets PYTHONPATH (a bootstrap's sitecustomize, read only
+by a fresh interpreter) is exec'd as `python scenarios.py NAME`.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import signal
 import socket
@@ -17,7 +21,50 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCENARIOS = Path(__file__).with_name("scenarios.py")
+ZYGOTE = Path(__file__).with_name("zygote.py")
 ROOT = Path(__file__).resolve().parents[2]
+_zygote: list[subprocess.Popen] = []  # started on first use, ended with the test process
+
+
+class Forked:
+    """A rank forked by the zygote: the part of Popen's interface the jobs use."""
+
+    def __init__(self, pid: int, status: Path):
+        self.pid, self.status, self.returncode = pid, status, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.status.exists():
+            self.returncode = int(self.status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:  # the zygote writes the exit code before it reaps: the pid is still ours
+            os.kill(self.pid, signum)
+
+
+def _fork(argv: list[str], env: dict[str, str], log: Path) -> Forked:
+    if not _zygote or _zygote[0].poll() is not None:
+        _zygote[:] = [subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       cwd=ROOT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                  "OMP_NUM_THREADS": "1"})]
+        atexit.register(_zygote[0].stdin.close)  # EOF: the zygote exits
+    zygote = _zygote[0]
+    status = log.with_suffix(".exitcode")
+    zygote.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(ROOT), "log": str(log),
+                                   "status": str(status)}) + "\n")
+    zygote.stdin.flush()
+    reply = zygote.stdout.readline()
+    if not reply:
+        raise RuntimeError(f"the zygote exited with code {zygote.wait()} before forking a rank")
+    return Forked(json.loads(reply)["pid"], status)
 
 
 def free_port() -> int:
@@ -28,7 +75,7 @@ def free_port() -> int:
 
 @dataclass
 class Job:
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen | Forked]
     logs: list[Path]
     started: float
     trace_dir: Path
@@ -76,15 +123,18 @@ def start(scenario: str, world: int, tmp: Path, env: dict[str, str] | None = Non
     procs, logs = [], []
     for rank in range(world):
         log = tmp / f"rank{rank}.log"
-        full_env = {
+        full_env: dict[str, str] = {
             **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1", "PLAIT_TRACE_DIR": str(trace_dir), "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, str(SCENARIOS), scenario], env=full_env, cwd=ROOT,
-                                          stdout=out, stderr=subprocess.STDOUT))
+        if "PYTHONPATH" in (env or {}):
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen([sys.executable, str(SCENARIOS), scenario], env=full_env, cwd=ROOT,
+                                              stdout=out, stderr=subprocess.STDOUT))
+        else:
+            procs.append(_fork([str(SCENARIOS), scenario], full_env, log))
         logs.append(log)
     return Job(procs, logs, time.monotonic(), trace_dir)
 

@@ -11,6 +11,7 @@ from plait.data.text import (
     TokenWindows,
     build_corpus,
     corpus_files,
+    iter_corpus_files,
     read_corpus,
     stdlib_dir,
 )
@@ -25,6 +26,22 @@ def test_corpus_is_the_stdlib_in_a_fixed_order():
     assert rel == sorted(rel) and "os.py" in rel
     text = read_corpus(files, max_bytes=10_000)
     assert len(text) == 10_000 and text == read_corpus(corpus_files(), max_bytes=10_000)
+
+
+def test_corpus_is_walked_in_the_order_of_its_sorted_relative_paths(tmp_path):
+    """The walk yields files in sorted order without listing the whole tree first: names that
+    sort around a folder's "/" ("a-b" < "a/" < "a0"), pruned and linked folders, a name glob."""
+    for name in ("a-b.py", "a/x.py", "a/b/y.py", "a0.py", "a.py", "b/__pycache__/c.py", "b/site-packages/d.py",
+                 "b/e.txt", "A/z.py", "a b/w.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    (tmp_path / "link").symlink_to(tmp_path / "a")  # a linked folder is not followed (as os.walk)
+    rel = [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path)]
+    assert rel == ["A/z.py", "a b/w.py", "a-b.py", "a.py", "a/b/y.py", "a/x.py", "a0.py"] == sorted(rel)
+    assert [f.name for f in corpus_files(tmp_path, glob="*.py")] == ["a-b.py", "a.py", "a0.py"]
+    assert read_corpus(iter_corpus_files(tmp_path), max_bytes=12) == b"A/z.py\n\na b/"
+    with pytest.raises(ValueError, match=r"no files matching '\*\*/\*.rs'"):
+        build_corpus(path=str(tmp_path), glob="**/*.rs")
 
 
 def test_byte_tokenizer_round_trips_and_windows_split_without_overlap():
