@@ -28,8 +28,8 @@ def _warm_dynamo() -> None:
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ w).sum()
 
-    x = torch.randn(4, 4, requires_grad=True)
-    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(4, 4, device="cpu", requires_grad=True)  # the ranks run Gloo on CPU
+    w = torch.randn(4, 4, device="cpu", requires_grad=True)
     torch.compile(block, backend="aot_eager", fullgraph=True)(x, w).backward()
     torch._dynamo.reset()
     counters.clear()
