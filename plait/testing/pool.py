@@ -1,7 +1,8 @@
 """A persistent pool of rank processes per world size, so tests don't pay start-up.
 
-    run(fn, world_size=4) -> pool for 4 (started once: fork from a torch-preloaded
-    forkserver, each rank joins a Gloo group) -> send fn to every rank -> collect
+    run(fn, world_size=4) -> pool for 4 (started once: fork from a forkserver that
+    imported torch and warmed Dynamo, _forkserver.py; each rank joins a Gloo group)
+    -> send fn to every rank -> collect
 
 The invariant: a pool that finished a task cleanly on every rank is reused; after any
 failure (an exception on a rank, a timeout, a dead worker) it is torn down, because its
@@ -25,7 +26,9 @@ from typing import Any
 
 MAX_POOLED_PROCESSES = 24
 ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
-START_TIMEOUT_S = 120.0
+# the first start includes the forkserver's torch import and Dynamo warm-up (6.2 CPU s): 74 s of
+# wall time were seen at load average 46 on 2 cores
+START_TIMEOUT_S = 300.0
 
 
 class DistributedTestError(AssertionError):
@@ -37,7 +40,7 @@ class WorkerPool:
         self.world_size = world_size
         self.dir = tempfile.mkdtemp(prefix=f"plait-pool{world_size}-")
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["plait.testing._worker"])
+        ctx.set_forkserver_preload(["plait.testing._forkserver"])  # torch loaded, Dynamo warmed
         from plait.testing import _worker
 
         self.conns, self.procs = [], []

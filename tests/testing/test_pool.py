@@ -41,6 +41,16 @@ def _state():
     return torch.get_default_dtype(), len(comm.listeners())
 
 
+def _compile_imports():
+    import sys
+
+    before = set(sys.modules)
+    compiled = torch.compile(lambda x: (x * 2).sin().sum(), backend="aot_eager", fullgraph=True)
+    compiled(torch.ones(3, requires_grad=True)).backward()
+    torch._dynamo.reset()
+    return sorted(set(sys.modules) - before)
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -58,6 +68,14 @@ def test_results_per_rank_and_the_pool_is_reused(capsys):
     assert [r for r, _ in first] == [0, 1, 2]
     assert run_distributed(_rank_and_pid, world_size=3) == first, "same processes serve the next call"
     assert "[rank 2] hello" in capsys.readouterr().out
+
+
+def test_a_fresh_rank_compiles_without_importing_anything():
+    """The forkserver ran Dynamo once before forking (plait/testing/_forkserver.py), so a
+    rank's first torch.compile finds every module it needs already imported."""
+    if 1 in pool._pools:
+        pool._pools[1].close()  # a rank that has compiled nothing yet
+    assert run_distributed(_compile_imports, world_size=1) == [[]]
 
 
 def test_state_does_not_leak_between_tests():
