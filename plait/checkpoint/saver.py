@@ -136,7 +136,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     if not is_direct(writer, planner):
         return save_with(state_dict, writer, planner or DefaultSavePlanner(), group)
     try:
-        save_with(state_dict, writer, planner or DefaultSavePlanner(), group)
+        save_with(state_dict, writer, planner or DefaultSavePlanner(), group, return_metadata=False)
     except CheckpointException as e:
         if group.rank == 0:  # every rank is past its writes (the driver's steps are collective):
             shutil.rmtree(commit.staging_dir(writer.path), ignore_errors=True)  # nothing half-written stays
