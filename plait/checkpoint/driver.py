@@ -41,10 +41,9 @@ from plait.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlan
 from plait.checkpoint.group import Group
 from plait.checkpoint.plan_codec import from_wire, to_wire
 from plait.checkpoint.planner_api import LoadPlanner, Metadata, SavePlan, SavePlanner
-from plait.checkpoint.storage import FileSystemReader, FileSystemWriter
 from plait.checkpoint.stateful import Stateful, expand
+from plait.checkpoint.storage import FileSystemReader, FileSystemWriter
 from plait.checkpoint.storage_api import CheckpointException, StorageReader, StorageWriter, wait
-
 
 # the built-in global hooks, as imported (a test that patches one gets the full steps)
 _LOAD_IDENTITY = (DefaultLoadPlanner.create_global_plan, FileSystemReader.prepare_global_plan)
