@@ -14,17 +14,19 @@
 As torch's state_dict_saver / state_dict_loader do, with torch's three steps: reduce_scatter
 (plans gathered to the coordinator, its global plan scattered: rank r receives plan r
 only), all_reduce (WriteResults gathered, finish, the Metadata sent back) and all_gather
-(load's read errors). Each step carries every rank's failure, so a failure anywhere raises
+(load's read errors: one all_reduce of a failure flag, the messages gathered only when a
+rank failed, Group.failures). Each step carries every rank's failure, so a failure anywhere raises
 CheckpointException on every rank (torch's semantics) and no rank waits for one that has
 already failed. Unlike torch, plans travel as JSON (plan_codec) through plait.comm, not pickle.
 
 Shortcuts where a global hook is the built-in one (the class's own function, not overridden
 and not patched), each giving the same plans, files and metadata as the full step:
   load, DefaultLoadPlanner.create_global_plan and FileSystemReader.prepare_global_plan (both
-      the identity): no plan travels; a rank's central plan is its local plan, and each of
-      the two steps is one all_reduce of a failure flag (6 collectives -> 2)
+      the identity): no plan travels; a rank's central plan is its local plan, and the
+      planning step is one all_reduce of a failure flag (load: 5 collectives -> 2)
   save, DefaultSavePlanner.create_global_plan and FileSystemWriter.prepare_global_plan (they
-      only drop items): rank r receives the indices of its local items that it writes
+      only drop items): rank r receives the indices of its local items that it writes, not
+      its plan (the coordinator still runs both, in torch's order)
   save(..., return_metadata=False) (plain save, whose ranks read the committed record):
       the last step sends only its outcome, one broadcast of a zero length on success
 """

@@ -4,7 +4,8 @@
       set_up_planner -> set_up_storage_writer (rank 0 makes PATH.incomplete) ->
       create_local_plan -> [gather] create_global_plan (one writer per chunk) -> [scatter]
       finish_plan -> write_data (own files, crc32 as written) -> [gather] finish (rank 0:
-      metadata.json, fsync, rename) -> [scatter] every rank returns plait's Metadata
+      metadata.json, fsync, rename) -> [broadcast] its outcome -> every rank returns plait's
+      Metadata (rank 0 its record, the others read metadata.json)
     async_save(): prepare (plan + agree) here, write_own + commit on its thread (async_saver.py)
 
 Every failure, on any rank, is raised on every rank at the next exchange, so no rank is
