@@ -59,7 +59,7 @@ def in_parallel(tasks: list[Callable[[], T]], thread_count: int) -> list[T]:
     """Each task's result, in order; up to thread_count at once (one file per task)."""
     if thread_count <= 1 or len(tasks) <= 1:
         return [t() for t in tasks]
-    with ThreadPoolExecutor(min(thread_count, len(tasks)), thread_name_prefix="plait-hf-write") as pool:
+    with ThreadPoolExecutor(min(thread_count, len(tasks)), thread_name_prefix="plait-hf") as pool:
         return list(pool.map(lambda t: t(), tasks))
 
 

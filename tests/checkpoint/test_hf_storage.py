@@ -210,7 +210,7 @@ def test_thread_count_writes_files_on_threads_and_the_same_bytes(tmp_path, monke
     writers.clear()
     dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "three"), max_shard_size=200,
                                                                thread_count=3))
-    assert len(one) == 1 and len(writers) >= 2 and all(w.startswith("plait-hf-write") for w in writers), (one, writers)
+    assert len(one) == 1 and len(writers) >= 2 and all(w.startswith("plait-hf") for w in writers), (one, writers)
     files = sorted(os.listdir(tmp_path / "one"))
     assert len(files) > 3 and files == sorted(os.listdir(tmp_path / "three"))
     for name in files:
@@ -220,3 +220,21 @@ def test_thread_count_writes_files_on_threads_and_the_same_bytes(tmp_path, monke
 def test_save_distributed_refuses_max_shard_size():
     with pytest.raises(ValueError, match="max_shard_size"):
         dcp.HuggingFaceStorageWriter("x", save_distributed=True, max_shard_size=100)
+
+
+def test_reader_thread_count_reads_files_on_threads(tmp_path):
+    import threading
+
+    ref = model_ref()
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path), max_shard_size=200))
+    readers: set[str] = set()
+
+    class Recording(dcp.DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            readers.add(threading.current_thread().name)
+            return super().resolve_tensor(read_item)
+
+    back = {k: torch.zeros_like(v) for k, v in ref.items()}
+    dcp.load(back, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path), thread_count=3), planner=Recording())
+    assert len(readers) >= 2 and all(r.startswith("plait-hf") for r in readers), readers
+    assert all(torch.equal(back[k], v) for k, v in ref.items())
