@@ -11,8 +11,10 @@
           on thread_count threads
     save_distributed=True, enable_consolidation=False: torch's per-rank shard files instead
       (hf_shards.py), no index
-      coordinator, finish: model.safetensors.index.json {metadata.total_size, weight_map}
-          last (temp name + rename): the layout is complete once the index exists
+      coordinator, finish: each file fsynced once (after every rank's writes: the pages
+          are the file's, whoever wrote them), then model.safetensors.index.json
+          {metadata.total_size, weight_map} last (temp name, fsync, rename, the directory
+          fsynced): the layout is complete once the index exists
     load(sd, storage_reader=HuggingFaceStorageReader(path))  (hf_reader.py) -> each local shard reads its
       box of every tensor by byte range (any layout; DTensor shards read only their rows);
       torch's shard files too, each tensor of one a chunk at its saved offsets
@@ -219,8 +221,6 @@ class HuggingFaceStorageWriter(StorageWriter):
                     os.pwrite(fd, flat[pos:pos + n * size], begin + start * size)
                     pos += n * size
                 results.append(WriteResult(it.index, pos, {"file": name}))
-            if self.sync_files:
-                os.fsync(fd)
         finally:
             os.close(fd)
         return results
@@ -236,8 +236,24 @@ class HuggingFaceStorageWriter(StorageWriter):
                                  "ranks hold inconsistent layouts of it")
         if self.sharded:
             return  # torch writes no index for shard files: a tensor's chunks lie in several
+        if self.sync_files:  # every rank has written: one flush per file, whoever wrote its pages
+            in_parallel([functools.partial(_fsync, os.path.join(self.path, name))
+                         for name in sorted(set(self.weight_map.values()))], self.thread_count)
         body = {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}
         tmp = os.path.join(self.path, INDEX_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(body, f, indent=2)
+            if self.sync_files:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.path, INDEX_FILE))
+        if self.sync_files:  # the index's rename (the layout's commit) is durable too
+            _fsync(self.path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

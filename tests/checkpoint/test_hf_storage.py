@@ -238,3 +238,26 @@ def test_reader_thread_count_reads_files_on_threads(tmp_path):
     dcp.load(back, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path), thread_count=3), planner=Recording())
     assert len(readers) >= 2 and all(r.startswith("plait-hf") for r in readers), readers
     assert all(torch.equal(back[k], v) for k, v in ref.items())
+
+
+def test_every_file_and_the_index_are_fsynced_once(tmp_path, monkeypatch):
+    """Durability: each model file once (after every rank's writes), the index, then the
+    directory holding its rename; sync_files=False: none."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    ref = model_ref()
+    path = tmp_path / "hf"
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(path), max_shard_size=200))
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    assert len(files) > 2
+    assert sorted(synced[:len(files)]) == [str(path / f) for f in files]
+    assert synced[len(files):] == [str(path / (INDEX_FILE + ".tmp")), str(path)], synced
+    synced.clear()
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "nosync"), sync_files=False))
+    assert synced == []
