@@ -16,6 +16,8 @@
        HuggingFaceStorageWriter (each rank writes its rows at their final offsets in the
        model-0000k-of-0000n files) against torch's (save_distributed + enable_consolidation,
        torch's way to the same final files from a sharded model), slowest rank's wall time
+    -> Python calls on rank 0 for one save and one load of each (host_calls.count_calls):
+       counted, so the same on a busy machine
 Figures are wall time on a shared machine: read the ratios, not the absolute numbers.
 """
 
@@ -37,6 +39,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import plait.checkpoint as dcp
 from benchmarks.common import median, print_table
+from benchmarks.host_calls import count_calls
 from plait.device_mesh import init_device_mesh
 from plait.fsdp import fully_shard
 from plait.testing import run_distributed
@@ -152,6 +155,9 @@ def save_world(root: str, d: int, rounds: int) -> dict:
             dist.barrier()
             extra[name].append(_peak_extra(fn))
         dist.barrier()
+    # counted, not timed: Python calls on this rank's thread for one more save of each
+    calls = {"plait": count_calls(lambda: dcp.save(ours, checkpoint_id=p_path)),
+             "torch": count_calls(lambda: torch_dcp.save(theirs, checkpoint_id=t_path))}
     hf = {"plait": [], "torch": []}
     model_only = {"plait": ours["model"], "torch": theirs["model"]}
     for k in range(rounds + 1):
@@ -166,7 +172,7 @@ def save_world(root: str, d: int, rounds: int) -> dict:
     written = sum(sum(c.nbytes for c in t.chunks if c.file.startswith(f"__{rank}_"))
                   for t in dcp.FileSystemReader(p_path).read_metadata().tensors.values())
     dist.barrier()
-    return {"save": saves, "blocked": blocked, "extra": extra, "staged": written, "hf": hf}
+    return {"save": saves, "blocked": blocked, "extra": extra, "staged": written, "hf": hf, "calls": calls}
 
 
 def load_world(root: str, d: int, rounds: int) -> dict:
@@ -187,9 +193,11 @@ def load_world(root: str, d: int, rounds: int) -> dict:
             t = _slowest(fn)
             if k:
                 loads[name].append(t)
+    calls = {"plait": count_calls(lambda: dcp.load(ours, checkpoint_id=os.path.join(root, "plait"))),
+             "torch": count_calls(lambda: torch_dcp.load(theirs, checkpoint_id=os.path.join(root, "torch")))}
     # the two loaded the same values (the models started from the same seed and step)
     same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours_m.parameters(), theirs_m.parameters()))
-    return {"load": loads, "same": same}
+    return {"load": loads, "same": same, "calls": calls}
 
 
 def run(quick: bool) -> None:
@@ -215,6 +223,8 @@ def run(quick: bool) -> None:
     et = max(max(x["extra"]["torch"]) for x in s)
     staged = max(x["staged"] for x in s)
     rows.append(["async_save peak extra host MiB (max rank)", f"{ep / 2**20:.1f}", f"{et / 2**20:.1f}", f"{ep / et:.2f}"])
+    for what, c in (("Python calls per save, rank 0 (counted)", s0["calls"]), ("Python calls per load, rank 0 (counted)", r["calls"])):
+        rows.append([what, f"{c['plait']:,}", f"{c['torch']:,}", f"{c['plait'] / c['torch']:.2f}"])
     print_table(
         f"checkpoint: FSDP {LAYERS} x Linear({d}, {d}) + Adam, {mib:.0f} MiB of state, Gloo/CPU, "
         f"median of {rounds}",

@@ -12,7 +12,8 @@ safetensors_io.py (bytes, checksums) -> commit.py (atomicity); saver.py, loader.
 async_saver.py drive them over the process group (group.py); tools.py and dcp_import.py
 are `plait checkpoint ...`. torch's planner and storage interfaces are planner_api.py and
 storage_api.py; a custom planner or storage layer is driven through them by driver.py;
-hf_storage.py writes and reads the Hugging Face layout on them. (Modules are not named
+hf_storage.py / hf_reader.py write and read the Hugging Face layout on them (hf_shards.py:
+torch's per-rank shard files). (Modules are not named
 save/load/async_save: those names are the functions.)
 """
 
@@ -21,7 +22,8 @@ from plait.checkpoint.async_saver import async_save
 from plait.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from plait.checkpoint.deprecated import load_state_dict, save_state_dict
 from plait.checkpoint.group import CheckpointError
-from plait.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from plait.checkpoint.hf_reader import HuggingFaceStorageReader
+from plait.checkpoint.hf_storage import HuggingFaceStorageWriter
 from plait.checkpoint.loader import load
 from plait.checkpoint.metadata import ChunkMeta, CorruptCheckpointError, TensorMeta
 from plait.checkpoint.planner_api import (

@@ -7,11 +7,13 @@
     load: set_up_planner(state dict, metadata) -> create_local_plan: per local shard, a
           ReadItem per overlapping saved chunk -> resolve_tensor: the box of the local shard
           to copy into (a view: filled in place) -> load_bytes: the JSON value, assigned by path
+          (a custom planner's raw bytes: torch.load(weights_only=True), values.load_raw)
 
 save()/load() drive these (and any subclass, with any storage layer) in torch's order
 (driver.py); async_save plans with SaveChunkPlanner.plan_leaves directly. On plait's own
 metadata create_local_plan is LoadChunkPlanner.plan_reads (its checks and messages). A value
-(BYTE_IO) is JSON (values.encode), never torch.save: plait's checkpoint runs no pickle.
+(BYTE_IO) is JSON (values.encode), never torch.save; a custom planner's bytes (torch.save's,
+as torch's planner gives) are kept exactly and read back only with weights_only=True.
 """
 
 from __future__ import annotations
@@ -223,7 +225,12 @@ class DefaultLoadPlanner(LoadChunkPlanner, LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        decoded = values_mod.decode(json.loads(value.read()))
+        data = value.read()
+        stored = self.metadata.values.get(read_item.storage_index.fqn) if isinstance(self.metadata, FileMetadata) else None
+        if values_mod.raw_bytes(stored) is not None:  # a custom planner's bytes: weights_only=True only
+            decoded = values_mod.load_raw(data, key=fqn)
+        else:
+            decoded = values_mod.decode(json.loads(data))
         self.original_state_dict = assign(self.original_state_dict, self.mappings[fqn], decoded)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:

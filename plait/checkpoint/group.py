@@ -8,6 +8,10 @@
     .gather_to_coordinator(obj) / .scatter_from_coordinator(objs)
                               -- torch's gather / scatter of plans: rank 0 receives every rank's
                                  obj, rank r receives objs[r] (all_to_all with one nonzero piece)
+    .failures(message)        -- every rank's failure message, {} when none failed: one all_reduce
+                                 of a flag; the messages travel only when some rank failed
+    .from_coordinator(obj)    -- rank 0's JSON-able obj on every rank; None (the success case of
+                                 a commit) costs one broadcast of its length, 0
 
 Objects travel as UTF-8 JSON in uint8 tensors (no pickle, unlike all_gather_object).
 """
@@ -104,3 +108,27 @@ class Group:
         got = comm.all_to_all(data, group=self.pg, output_split_sizes=mine,
                               input_split_sizes=[int(s) for s in sizes] if self.rank == 0 else [0] * self.size)
         return json.loads(got.cpu().numpy().tobytes())
+
+    def failures(self, message: str | None) -> dict[int, str]:
+        """Collective: {rank: message} of the ranks whose `message` is not None."""
+        if self.size == 1:
+            return {} if message is None else {0: message}
+        flag = torch.tensor([0 if message is None else 1], dtype=torch.int64, device=self.device)
+        comm.all_reduce(flag, group=self.pg, op="max")
+        if not int(flag):
+            return {}
+        return {r: m for r, m in enumerate(self.gather_json(message)) if m is not None}
+
+    def from_coordinator(self, obj: Any) -> Any:
+        """Collective: rank 0's obj (JSON-able) on every rank."""
+        if self.size == 1:
+            return obj
+        data = self._to_bytes(obj) if self.rank == 0 and obj is not None else None
+        n = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=self.device)
+        comm.broadcast(n, src=0, group=self.pg)
+        if not int(n):
+            return None
+        if data is None:
+            data = torch.empty(int(n), dtype=torch.uint8, device=self.device)
+        comm.broadcast(data, src=0, group=self.pg)
+        return json.loads(data.cpu().numpy().tobytes())

@@ -7,11 +7,17 @@
           safetensors header (full shapes) written and the file extended to its full size
       every rank, write_data: each chunk's bytes pwritten at their place in the full
           tensor: a dim-0 row range (FSDP's Shard(0)) is one run, a Shard(1) box one run per
-          row; several ranks write disjoint ranges of one file at once
-      coordinator, finish: model.safetensors.index.json {metadata.total_size, weight_map}
-          last (temp name + rename): the layout is complete once the index exists
-    load(sd, storage_reader=HuggingFaceStorageReader(path))  -> each local shard reads its
-      box of every tensor by byte range (any layout; DTensor shards read only their rows)
+          row; several ranks write disjoint ranges of one file at once, and a rank's files
+          on thread_count threads
+    save_distributed=True, enable_consolidation=False: torch's per-rank shard files instead
+      (hf_shards.py), no index
+      coordinator, finish: each file fsynced once (after every rank's writes: the pages
+          are the file's, whoever wrote them), then model.safetensors.index.json
+          {metadata.total_size, weight_map} last (temp name, fsync, rename, the directory
+          fsynced): the layout is complete once the index exists
+    load(sd, storage_reader=HuggingFaceStorageReader(path))  (hf_reader.py) -> each local shard reads its
+      box of every tensor by byte range (any layout; DTensor shards read only their rows);
+      torch's shard files too, each tensor of one a chunk at its saved offsets
 
 Memory: a rank holds nothing beyond its own shards (a CPU copy of one chunk at a time
 when the shard lives on a GPU); the coordinator holds only headers. Unlike torch's
@@ -24,33 +30,32 @@ checksums and holds tensors only (a non-tensor value is refused by name).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import os
-import struct
+import re
 from typing import Any
 
 import torch
 
-from plait.checkpoint.metadata import _ST_TAGS, safetensors_tag
+from plait.checkpoint.hf_shards import (
+    SHARD_FILE,
+    header,
+    in_parallel,
+    shard_name,
+    write_shard,
+)
 from plait.checkpoint.planner_api import (
-    ChunkStorageMetadata,
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     Metadata,
-    MetadataIndex,
     SavePlan,
     SavePlanner,
-    TensorProperties,
-    TensorStorageMetadata,
     WriteItemType,
 )
-from plait.checkpoint.storage_api import StorageReader, StorageWriter, WriteResult, done
+from plait.checkpoint.storage_api import StorageWriter, WriteResult, done
 
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {tag: dtype for dtype, tag in _ST_TAGS.items()}
 
 
 def file_name(k: int, n: int) -> str:
@@ -75,25 +80,16 @@ def box_runs(shape, offsets, sizes) -> list[tuple[int, int]]:
             for idx in itertools.product(*outer)]
 
 
-def _header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> tuple[bytes, dict[str, int]]:
-    """The safetensors header for these tensors in this order, and each one's data begin."""
-    header, begins, offset = {}, {}, 0
-    for fqn, dtype, shape in tensors:
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[fqn] = {"dtype": safetensors_tag(dtype, key=fqn), "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        begins[fqn] = offset
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data area to 8 bytes
-    raw = struct.pack("<Q", len(raw)) + raw
-    return raw, {fqn: len(raw) + b for fqn, b in begins.items()}
-
-
 class HuggingFaceStorageWriter(StorageWriter):
     """torch's HuggingFaceStorageWriter. fqn_to_index_mapping: fqn -> file index 1..N;
     max_shard_size (plait's, bytes): without a mapping, start a new file past this size.
-    save_distributed / enable_consolidation are accepted for torch's callers: plait always
-    writes from every rank straight into the consolidated layout, which is what they ask for.
+    save_distributed=True, enable_consolidation=False (torch's meaning): every rank writes
+    its own shard files, shard-0000r-model-0000k-of-0000n.safetensors, and no index
+    (hf_shards.py). Otherwise the consolidated layout, written in place by every rank that
+    owns data: what torch's save_distributed=True + enable_consolidation=True produces in
+    `path` (plait writes no path/sharded copy on the way), and what torch's default
+    (save_distributed=False, a full state dict on one rank) produces, for a full state dict
+    or a sharded one. thread_count: a rank's files written by that many threads at once.
     """
 
     def __init__(self, path: str | os.PathLike, fqn_to_index_mapping: dict[str, int] | None = None,
@@ -104,11 +100,19 @@ class HuggingFaceStorageWriter(StorageWriter):
             raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
         if fqn_to_index_mapping is not None and max_shard_size is not None:
             raise ValueError("give fqn_to_index_mapping or max_shard_size, not both")
-        del thread_count, save_distributed, enable_consolidation, thread_count_consolidation
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        self.sharded = save_distributed and not enable_consolidation
+        if self.sharded and max_shard_size is not None:
+            raise ValueError("max_shard_size splits the consolidated layout; with save_distributed=True and "
+                             "enable_consolidation=False each rank writes one file per fqn_to_index_mapping index")
+        del thread_count_consolidation  # no consolidation pass: the consolidated files are written in place
         self.path = os.fspath(path)
         self.fqn_to_index_mapping = fqn_to_index_mapping
         self.max_shard_size = max_shard_size
         self.sync_files = sync_files
+        self.thread_count = thread_count
+        self.save_distributed, self.enable_consolidation = save_distributed, enable_consolidation
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -120,11 +124,14 @@ class HuggingFaceStorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int = 0, **kwargs: Any) -> None:
         self.rank = rank
-        if is_coordinator:
+        if is_coordinator:  # before the plan exchange, so before any rank writes here
             os.makedirs(self.path, exist_ok=True)
             index = os.path.join(self.path, INDEX_FILE)
             if os.path.exists(index):  # an older layout here is not complete once we start writing
                 os.remove(index)
+            for name in os.listdir(self.path):  # the other layout's files would be read with this one's
+                if SHARD_FILE.match(name) or (self.sharded and re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name)):
+                    os.remove(os.path.join(self.path, name))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for it in plan.items:
@@ -149,7 +156,10 @@ class HuggingFaceStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: the files' layout, their headers written and sizes set; each plan
-        learns where its tensors' data begins."""
+        learns where its tensors' data begins. Sharded: each plan its shard index (torch's)."""
+        if self.sharded:
+            mapping = {} if self.fqn_to_index_mapping is None else {"fqn_to_index_mapping": self.fqn_to_index_mapping}
+            return [dataclasses.replace(p, storage_data={"shard_index": i, **mapping}) for i, p in enumerate(plans, 1)]
         tensors: dict[str, tuple[torch.dtype, list[int]]] = {}
         for plan in plans:
             for it in plan.items:
@@ -162,7 +172,7 @@ class HuggingFaceStorageWriter(StorageWriter):
         for k in ks:
             name = file_name(k, len(ks))
             members = [(f, dtype, shape) for f, (dtype, shape) in tensors.items() if index_of[f] == k]
-            raw, begins = _header(members)
+            raw, begins = header(members)
             with open(os.path.join(self.path, name), "wb") as fh:
                 fh.write(raw)
                 fh.truncate(begins[members[-1][0]] + math.prod(members[-1][2]) * members[-1][1].itemsize)
@@ -173,28 +183,47 @@ class HuggingFaceStorageWriter(StorageWriter):
                 for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner):
-        results, fds = [], {}
+        per_file: dict[str, list] = {}  # file -> [(item, its data)]: one thread's work
+        for it in plan.items:
+            name = self._shard_file(plan, it) if self.sharded else plan.storage_data[it.index.fqn][0]
+            per_file.setdefault(name, []).append((it, planner.resolve_data(it)))
+        one = self._write_shard if self.sharded else functools.partial(self._write_in_place, plan)
+        tasks = [functools.partial(one, name, jobs) for name, jobs in per_file.items()]
+        return done([r for rs in in_parallel(tasks, self.thread_count) for r in rs])
+
+    def _shard_file(self, plan: SavePlan, it) -> str:
+        mapping = plan.storage_data.get("fqn_to_index_mapping")
+        k = 1 if mapping is None else mapping[it.index.fqn]
+        return shard_name(plan.storage_data["shard_index"], k, 1 if mapping is None else max(mapping.values()))
+
+    @staticmethod
+    def _cpu(it, data: torch.Tensor) -> torch.Tensor:
+        return data.detach().to("cpu", it.tensor_data.properties.dtype).contiguous()
+
+    def _write_shard(self, name: str, jobs: list) -> list[WriteResult]:
+        chunks = [(it.index.fqn, list(it.tensor_data.chunk.offsets), self._cpu(it, data)) for it, data in jobs]
+        write_shard(os.path.join(self.path, name), chunks, sync=self.sync_files)
+        return [WriteResult(it.index, t.numel() * t.element_size(), {"file": name})
+                for (it, _), (_, _, t) in zip(jobs, chunks)]
+
+    def _write_in_place(self, plan: SavePlan, name: str, jobs: list) -> list[WriteResult]:
+        """This rank's chunks of one consolidated file, each run pwritten at its place."""
+        results = []
+        fd = os.open(os.path.join(self.path, name), os.O_WRONLY)
         try:
-            for it in plan.items:
-                name, begin = plan.storage_data[it.index.fqn]
+            for it, data in jobs:
+                begin = plan.storage_data[it.index.fqn][1]
                 td = it.tensor_data
-                data = planner.resolve_data(it).detach().to("cpu", td.properties.dtype).contiguous()
+                data = self._cpu(it, data)
                 flat = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else None
-                fd = fds.get(name)
-                if fd is None:
-                    fd = fds[name] = os.open(os.path.join(self.path, name), os.O_WRONLY)
                 size, pos = td.properties.dtype.itemsize, 0
                 for start, n in box_runs(list(td.size), list(td.chunk.offsets), list(td.chunk.sizes)):
                     os.pwrite(fd, flat[pos:pos + n * size], begin + start * size)
                     pos += n * size
                 results.append(WriteResult(it.index, pos, {"file": name}))
-            if self.sync_files:
-                for fd in fds.values():
-                    os.fsync(fd)
         finally:
-            for fd in fds.values():
-                os.close(fd)
-        return done(results)
+            os.close(fd)
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         written: dict[str, int] = {}
@@ -205,102 +234,26 @@ class HuggingFaceStorageWriter(StorageWriter):
             if written.get(fqn, 0) != want:
                 raise ValueError(f"tensor {fqn!r}: the ranks wrote {written.get(fqn, 0)} of its {want} bytes; "
                                  "ranks hold inconsistent layouts of it")
+        if self.sharded:
+            return  # torch writes no index for shard files: a tensor's chunks lie in several
+        if self.sync_files:  # every rank has written: one flush per file, whoever wrote its pages
+            in_parallel([functools.partial(_fsync, os.path.join(self.path, name))
+                         for name in sorted(set(self.weight_map.values()))], self.thread_count)
         body = {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}
         tmp = os.path.join(self.path, INDEX_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(body, f, indent=2)
+            if self.sync_files:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.path, INDEX_FILE))
+        if self.sync_files:  # the index's rename (the layout's commit) is durable too
+            _fsync(self.path)
 
 
-def read_header(path: str) -> dict[str, tuple[torch.dtype, list[int], int]]:
-    """fqn -> (dtype, shape, absolute byte offset of its data) of one safetensors file."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file: {len(raw)} bytes")
-        (n,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{path}: its safetensors header is not valid JSON ({e}); the file is damaged") from None
-    out = {}
-    for fqn, h in header.items():
-        if fqn == "__metadata__":
-            continue
-        if h["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {fqn!r} has dtype {h['dtype']}, which plait does not read")
-        out[fqn] = (_DTYPES[h["dtype"]], list(h["shape"]), 8 + n + h["data_offsets"][0])
-    return out
-
-
-class HuggingFaceStorageReader(StorageReader):
-    """torch's HuggingFaceStorageReader: reads model-*.safetensors (+ the index, if any)."""
-
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1) -> None:
-        del thread_count  # reads are by byte range, one run at a time
-        self.path = os.fspath(path)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return os.path.isdir(checkpoint_id)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        index = os.path.join(self.path, INDEX_FILE)
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors")) if os.path.isdir(self.path) else []
-            weight_map = None
-        if not files:
-            raise ValueError(f"no Hugging Face checkpoint at {self.path}: no {INDEX_FILE} and no *.safetensors")
-        md, where = {}, {}
-        for name in files:
-            for fqn, (dtype, shape, begin) in read_header(os.path.join(self.path, name)).items():
-                if fqn in md:
-                    raise ValueError(f"tensor {fqn!r} is in both {where[MetadataIndex(fqn, [0] * len(shape))][0]} "
-                                     f"and {name} of {self.path}")
-                zeros = torch.Size([0] * len(shape))
-                md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape),
-                                                [ChunkStorageMetadata(zeros, torch.Size(shape))])
-                where[MetadataIndex(fqn, zeros)] = (name, begin)
-        if weight_map is not None and set(weight_map) != set(md):
-            extra = sorted(set(weight_map) ^ set(md))
-            raise ValueError(f"{index} and the files' headers disagree on {len(extra)} tensor(s), e.g. {extra[0]!r}")
-        return Metadata(state_dict_metadata=md, storage_data=where)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.metadata = metadata
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
-        for r in plan.items:
-            if r.type == LoadItemType.BYTE_IO:
-                raise ValueError(f"{r.dest_index.fqn!r}: a Hugging Face checkpoint holds tensors only")
-            name, begin = self.metadata.storage_data[r.storage_index]
-            entry = self.metadata.state_dict_metadata[r.storage_index.fqn]
-            dtype, size = entry.properties.dtype, entry.properties.dtype.itemsize
-            buf = torch.empty(math.prod(r.lengths) * size, dtype=torch.uint8)
-            view, pos = buf.numpy(), 0
-            with open(os.path.join(self.path, name), "rb") as f:
-                for start, n in box_runs(list(entry.size), list(r.storage_offsets), list(r.lengths)):
-                    f.seek(begin + start * size)
-                    got = f.readinto(view[pos:pos + n * size])
-                    if got != n * size:
-                        raise ValueError(f"{name} of {self.path} is truncated: tensor {r.storage_index.fqn!r} "
-                                         f"needs bytes [{begin + start * size}, {begin + (start + n) * size})")
-                    pos += n * size
-            target = planner.resolve_tensor(r).detach()
-            target.copy_(buf.view(dtype).view(r.lengths))
-            planner.commit_tensor(r, target)
-        return done(None)
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -3,9 +3,10 @@
     torch's order on the planner and reader (driver.py), the built-in ones too:
       read_metadata (metadata.json, its crc32) -> set_up_planner -> set_up_storage_reader ->
       create_local_plan (per local shard, the saved chunks that overlap it) -> [gather]
-      create_global_plan -> [scatter] finish_plan -> read_data (each file's size and header
+      create_global_plan -> [scatter] (the built-ins' identity hooks: skipped, an all_reduce
+      of failure flags instead, driver.py) finish_plan -> read_data (each file's size and header
       crc32, each chunk's crc32; boxes copied into the shards, values via load_bytes)
-    -> [all_gather] any rank's failure raised on all -> Stateful members' load_state_dict
+    -> [all_reduce] any rank's failure raised on all -> Stateful members' load_state_dict
 
 Tensors are filled in place (a DTensor's local shard, a plain tensor whole), so the
 parameters an optimizer holds are the ones that change, as with torch's DCP. With the

@@ -26,7 +26,7 @@ import functools
 import json
 import re
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -132,10 +132,21 @@ class Metadata:
         return {MetadataIndex(fqn, c.offsets): c for fqn, t in self.tensors.items() for c in t.chunks}
 
     def to_json(self) -> str:
-        body = {"format": FORMAT, "version": VERSION, **asdict(self)}
-        text = json.dumps(body, indent=1, sort_keys=False)  # ASCII (ensure_ascii), ends "\n}"
-        head = text[:-2].encode()
-        return f'{text[:-2]},\n "metadata_crc32": "{zlib.crc32(head):08x}"\n}}\n'
+        """One line per tensor, file and value, each encoded compactly by json's C encoder
+        (indent= runs its pure-Python encoder: ~50k calls for a 64-tensor FSDP state); built
+        from vars, not asdict, whose deep copy is ~5 calls a field. ASCII (ensure_ascii)."""
+        enc = json.JSONEncoder(separators=(",", ":")).encode
+
+        def obj(d: dict[str, Any], one) -> str:
+            return "{" + ",".join(f"\n  {enc(k)}:{one(v)}" for k, v in d.items()) + ("\n }" if d else "}")
+
+        def tensor(t: TensorMeta) -> str:
+            return enc({"shape": t.shape, "dtype": t.dtype, "layout": t.layout, "chunks": [vars(c) for c in t.chunks]})
+
+        head = (f'{{\n "format": {enc(FORMAT)},\n "version": {VERSION},\n "tensors": {obj(self.tensors, tensor)},'
+                f'\n "values": {obj(self.values, enc)},\n "world_size": {enc(self.world_size)},'
+                f'\n "files": {enc(self.files)},\n "file_meta": {obj(self.file_meta, lambda m: enc(vars(m)))}')
+        return f'{head},\n "metadata_crc32": "{zlib.crc32(head.encode()):08x}"\n}}\n'
 
     @staticmethod
     def from_json(text: str | bytes, *, where: str) -> Metadata:

@@ -33,6 +33,7 @@ from plait.checkpoint.planner_api import (
     WriteItem,
     WriteItemType,
 )
+from plait.checkpoint.storage_api import WriteResult
 
 _MEMORY_FORMATS = {str(f): f for f in (torch.contiguous_format, torch.channels_last, torch.preserve_format,
                                        torch.channels_last_3d)}
@@ -112,12 +113,34 @@ def _from_read_item(kind, dest, storage, dest_offsets, storage_offsets, lengths)
                     torch.Size(storage_offsets), torch.Size(lengths))
 
 
+def _json_tree(x: Any) -> bool:
+    """x travels as itself: str-keyed dicts (no key starting with "$"), lists and primitives."""
+    t = type(x)
+    if t in _PLAIN:
+        return True
+    if t is list:
+        return all(_json_tree(v) for v in x)
+    return t is dict and all(type(k) is str and not k.startswith("$") and _json_tree(v) for k, v in x.items())
+
+
+def _write_result(x: WriteResult) -> dict[str, Any] | None:
+    """A WriteResult whose storage_data is plain JSON (the built-in writer's chunk and file
+    records) as one flat list: the coordinator decodes every rank's, one per chunk, and the
+    generic form walks each record key by key."""
+    idx = x.index
+    if (type(idx) is not MetadataIndex or type(x.size_in_bytes) is not int or not (
+            idx.offset is None or type(idx.offset) is torch.Size) or not _json_tree(x.storage_data)):
+        return None
+    return {"$wr": [idx.fqn, None if idx.offset is None else list(idx.offset), idx.index, x.size_in_bytes,
+                    x.storage_data]}
+
+
 def to_wire(x: Any) -> Any:
     t = type(x)
     if t in _PLAIN:
         return x
-    if t is WriteItem or t is ReadItem:
-        enc = _write_item(x) if t is WriteItem else _read_item(x)
+    if t is WriteItem or t is ReadItem or t is WriteResult:
+        enc = _write_item(x) if t is WriteItem else _read_item(x) if t is ReadItem else _write_result(x)
         if enc is not None:
             return enc
     if t is list:
@@ -172,6 +195,9 @@ def from_wire(x: Any) -> Any:
         return _from_write_item(*x["$wi"])
     if first == "$ri":
         return _from_read_item(*x["$ri"])
+    if first == "$wr":
+        fqn, offset, index, size, storage_data = x["$wr"]
+        return WriteResult(MetadataIndex(fqn, offset, index), size, storage_data)
     if "$dc" in x:
         cls = _lookup(x["$dc"])
         if cls not in _FIELDS_OF and not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):

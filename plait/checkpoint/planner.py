@@ -76,7 +76,7 @@ class ChunkRead:
 @dataclass
 class ChunkLoadPlan:
     reads: list[ChunkRead]
-    values: dict[str, Any]  # fqn -> decoded value to assign
+    values: dict[str, Any]  # fqn -> the value as stored (load_bytes decodes it)
     report: list[str] = field(default_factory=list)  # problems skipped under allow_partial_load
 
 
@@ -193,6 +193,11 @@ def _missing(fqn: str, v: Any, metadata: Metadata, where: str) -> str:
     return msg
 
 
+def _shown(stored: Any) -> str:
+    raw = values_mod.raw_bytes(stored)
+    return f"({len(raw)} raw bytes)" if raw is not None else repr(values_mod.decode(stored))
+
+
 class LoadChunkPlanner:
     """The read logic of torch's DefaultLoadPlanner (default_planner.py adds torch's protocol).
     allow_partial_load=True reports keys missing from the
@@ -224,7 +229,7 @@ class LoadChunkPlanner:
             if isinstance(v, torch.Tensor):
                 self._plan_tensor(fqn, v, metadata, where, plan)
             elif fqn in metadata.values:
-                plan.values[fqn] = values_mod.decode(metadata.values[fqn])
+                plan.values[fqn] = metadata.values[fqn]
             elif fqn in metadata.tensors:
                 self._problem(f"state_dict[{fqn!r}] is a {type(v).__name__} but {where} saved a tensor "
                               f"{metadata.tensors[fqn].dtype}{metadata.tensors[fqn].shape} there")
@@ -241,7 +246,7 @@ class LoadChunkPlanner:
         if meta is None:
             if fqn in metadata.values:
                 self._problem(f"state_dict[{fqn!r}] is a tensor but {where} saved a "
-                              f"non-tensor value {values_mod.decode(metadata.values[fqn])!r} there")
+                              f"non-tensor value {_shown(metadata.values[fqn])} there")
             else:
                 self._problem(_missing(fqn, v, metadata, where))
             return

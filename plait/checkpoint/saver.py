@@ -4,7 +4,8 @@
       set_up_planner -> set_up_storage_writer (rank 0 makes PATH.incomplete) ->
       create_local_plan -> [gather] create_global_plan (one writer per chunk) -> [scatter]
       finish_plan -> write_data (own files, crc32 as written) -> [gather] finish (rank 0:
-      metadata.json, fsync, rename) -> [scatter] every rank returns plait's Metadata
+      metadata.json, fsync, rename) -> [broadcast] its outcome -> every rank returns plait's
+      Metadata (rank 0 its record, the others read metadata.json)
     async_save(): prepare (plan + agree) here, write_own + commit on its thread (async_saver.py)
 
 Every failure, on any rank, is raised on every rank at the next exchange, so no rank is
@@ -136,7 +137,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     if not is_direct(writer, planner):
         return save_with(state_dict, writer, planner or DefaultSavePlanner(), group)
     try:
-        save_with(state_dict, writer, planner or DefaultSavePlanner(), group)
+        save_with(state_dict, writer, planner or DefaultSavePlanner(), group, return_metadata=False)
     except CheckpointException as e:
         if group.rank == 0:  # every rank is past its writes (the driver's steps are collective):
             shutil.rmtree(commit.staging_dir(writer.path), ignore_errors=True)  # nothing half-written stays

@@ -11,13 +11,14 @@ one), the checkpoint, and the previous complete one beside it (integrity.describ
 Both implement torch's StorageWriter / StorageReader protocol (storage_api.py), which
 save()/load() drive (driver.py), and a custom storage layer may wrap:
     write_data(plan, planner): resolve_data per item -> the same files -> WriteResults whose
-        storage_data is the ChunkMeta and the file's FileMeta (a value: its JSON)
+        storage_data is the ChunkMeta and the file's FileMeta (a value: its JSON, or
+        {"$raw": base64} of bytes that are not JSON, e.g. a torch planner's torch.save)
     finish(metadata, results): the results as per-rank fragments -> commit.finish (the
         atomic commit async_save's thread also uses); self.committed: plait's Metadata
     read_data(plan, planner): each file read from: its size and header crc32 checked once;
         every chunk's crc32 checked -> resolve_tensor per box; a box that is a whole chunk
         and a contiguous CPU tensor is read straight into it, the rest copy_ from a buffer;
-        commit_tensor; a value: load_bytes with its JSON
+        commit_tensor; a value: load_bytes with the exact bytes saved
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from plait.checkpoint import commit, integrity
+from plait.checkpoint import values as values_mod
 from plait.checkpoint.default_planner import LAYOUTS
 from plait.checkpoint.metadata import (
     METADATA_FILE,
@@ -62,6 +64,19 @@ from plait.checkpoint.storage_api import (  # torch's import path
 )
 
 COMMIT_TIMEOUT_S = 1800.0  # finish() waits this long for the fragments it has just written
+
+
+def _stored(raw: bytes) -> Any:
+    """A BYTE_IO item's bytes as metadata.json keeps them: the JSON value they are when
+    json.dumps gives them back exactly (DefaultSavePlanner's values: readable in the file),
+    else {"$raw": base64} (a custom planner's, torch.save bytes say), never unpickled here."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return values_mod.raw(raw)
+    if json.dumps(value).encode() != raw or values_mod.raw_bytes(value) is not None:
+        return values_mod.raw(raw)
+    return value
 
 
 def chunk_name(fqn: str, offsets: tuple[int, ...]) -> str:
@@ -152,13 +167,7 @@ class FileSystemWriter(StorageWriter):
             data = planner.resolve_data(it)
             if it.type == WriteItemType.BYTE_IO:
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                try:
-                    value = json.loads(raw)
-                except ValueError:
-                    raise ValueError(f"value {it.index.fqn!r}: resolve_data gave bytes that are not JSON; plait's "
-                                     "checkpoint stores values as JSON (DefaultSavePlanner.resolve_data), never "
-                                     "torch.save/pickle") from None
-                results.append(WriteResult(it.index, len(raw), {"value": value}))
+                results.append(WriteResult(it.index, len(raw), {"value": _stored(raw)}))
                 continue
             td = it.tensor_data
             if tuple(data.shape) != tuple(td.chunk.sizes):
@@ -253,8 +262,10 @@ class FileSystemReader(StorageReader):
         md = self.metadata
         by_chunk = defaultdict(list)
         for r in plan.items:
-            if r.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(r, io.BytesIO(json.dumps(md.values[r.storage_index.fqn]).encode()))
+            if r.type == LoadItemType.BYTE_IO:  # the exact bytes resolve_data gave at save
+                stored = md.values[r.storage_index.fqn]
+                raw = values_mod.raw_bytes(stored)
+                planner.load_bytes(r, io.BytesIO(json.dumps(stored).encode() if raw is None else raw))
             else:
                 by_chunk[r.storage_index].append(r)
         chunks = {index: md.storage_data.get(index) for index in by_chunk}

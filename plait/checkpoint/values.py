@@ -5,13 +5,17 @@
     decode(encode(v)) == v and type-for-type equal (tuple stays tuple, int stays int, ...)
 
 Every dict is tagged, so a JSON object in the encoding is always a tag and never ambiguous
-with user data. A value of any other type is refused with the key that holds it: the
+with user data. {"$raw": base64} is not a value's encoding: it holds the exact bytes a custom
+SavePlanner's resolve_data gave for a BYTE_IO item (torch's DefaultSavePlanner gives
+torch.save bytes); they are returned to a LoadPlanner's load_bytes unchanged, and plait
+itself reads them only as torch.load(weights_only=True) does (load_raw). A value of any other type is refused with the key that holds it: the
 checkpoint must load without running code, so it cannot store an arbitrary object.
 """
 
 from __future__ import annotations
 
 import base64
+import io
 import math
 from typing import Any
 
@@ -81,4 +85,31 @@ def decode(data: Any) -> Any:
         return _DTYPES[body]
     if tag == "$device":
         return torch.device(body)
+    if tag == "$raw":
+        return load_raw(base64.b64decode(body), key="(a value)")
     raise ValueError(f"unknown value tag {tag!r} in checkpoint metadata")
+
+
+def raw(data: bytes) -> dict[str, str]:
+    return {"$raw": base64.b64encode(data).decode("ascii")}
+
+
+def raw_bytes(stored: Any) -> bytes | None:
+    """The exact bytes of a stored {"$raw": ...} item; None for an encoded value."""
+    if isinstance(stored, dict) and len(stored) == 1 and "$raw" in stored:
+        return base64.b64decode(stored["$raw"])
+    return None
+
+
+def load_raw(data: bytes, *, key: str) -> Any:
+    """Raw bytes as torch's DefaultLoadPlanner reads them, but with weights_only=True (tensors,
+    primitives and their containers; no other object is unpickled, no code runs)."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - every refusal gets the same advice
+        raise ValueError(
+            f"state_dict[{key!r}] was saved as {len(data)} raw bytes by a custom SavePlanner (torch's "
+            "DefaultSavePlanner torch.saves non-tensor values); plait reads such bytes only with "
+            f"torch.load(weights_only=True), which refused them ({type(e).__name__}: {str(e)[:160]}). "
+            "Load it with a LoadPlanner whose load_bytes reads them: it receives the exact bytes saved"
+        ) from None

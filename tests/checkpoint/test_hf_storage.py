@@ -141,3 +141,123 @@ def test_box_runs_cover_exactly_the_box():
         box = flat[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
         runs = list(itertools.chain.from_iterable(range(a, a + n) for a, n in box_runs(shape, offsets, sizes)))
         assert runs == box.tolist(), (shape, offsets, sizes)
+
+
+def _shard_files_both(path: str) -> list[str]:
+    """torch's and plait's save_distributed=True (no consolidation) of the same Shard(0) state."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor import distribute_tensor as torch_distribute
+
+    ref = model_ref()
+    mesh = torch_mesh("cpu", (dist.get_world_size(),))
+    theirs = {k: torch_distribute(v, mesh, [TorchShard(0)]) for k, v in ref.items()}
+    tdcp.save(theirs, storage_writer=tdcp.HuggingFaceStorageWriter(os.path.join(path, "torch"), save_distributed=True))
+    from plait.device_mesh import init_device_mesh
+    from plait.tensor import Shard, distribute_tensor
+
+    our_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours = {k: distribute_tensor(v, our_mesh, [Shard(0)]) for k, v in ref.items()}
+    dcp.save(ours, storage_writer=dcp.HuggingFaceStorageWriter(os.path.join(path, "plait"), save_distributed=True,
+                                                                thread_count=2))
+    return sorted(os.listdir(os.path.join(path, "plait")))
+
+
+def _sharding(path: str) -> dict[str, dict]:
+    out = {}
+    for name in os.listdir(path):
+        with safe_open(os.path.join(path, name), framework="pt") as fh:
+            out[name] = {k: (json.loads(fh.metadata()["DCP_SHARDING_INFO"])[k]["saved_offsets"],
+                             list(fh.get_slice(k).get_shape())) for k in fh.keys()}  # noqa: SIM118
+    return out
+
+
+def test_save_distributed_writes_torchs_shard_files_each_reads_the_others(tmp_path):
+    """torch's save_distributed=True, enable_consolidation=False: a file per rank, chunks at
+    their saved offsets, no index; the same names and chunks as torch's, read both ways."""
+    import torch.distributed.checkpoint as tdcp
+
+    got = run_distributed(_shard_files_both, str(tmp_path), world_size=2)
+    names = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert got == [names, names] and sorted(os.listdir(tmp_path / "torch")) == names  # no index either
+    assert _sharding(str(tmp_path / "plait")) == _sharding(str(tmp_path / "torch"))
+    ref = model_ref()
+    for src in ("plait", "torch"):
+        ours = {k: torch.zeros_like(v) for k, v in ref.items()}
+        dcp.load(ours, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path / src)))
+        assert all(torch.equal(ours[k], v) for k, v in ref.items()), src
+        theirs = {k: torch.zeros_like(v) for k, v in ref.items()}
+        tdcp.load(theirs, storage_reader=tdcp.HuggingFaceStorageReader(str(tmp_path / src)), no_dist=True)
+        assert all(torch.equal(theirs[k], v) for k, v in ref.items()), src
+
+
+def test_thread_count_writes_files_on_threads_and_the_same_bytes(tmp_path, monkeypatch):
+    import threading
+
+    ref = model_ref()
+    writers: set[str] = set()
+    pwrite = os.pwrite
+
+    def spy(fd, data, offset):
+        writers.add(threading.current_thread().name)
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", spy)
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "one"), max_shard_size=200))
+    one = set(writers)
+    writers.clear()
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "three"), max_shard_size=200,
+                                                               thread_count=3))
+    assert len(one) == 1 and len(writers) >= 2 and all(w.startswith("plait-hf") for w in writers), (one, writers)
+    files = sorted(os.listdir(tmp_path / "one"))
+    assert len(files) > 3 and files == sorted(os.listdir(tmp_path / "three"))
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes(), name
+
+
+def test_save_distributed_refuses_max_shard_size():
+    with pytest.raises(ValueError, match="max_shard_size"):
+        dcp.HuggingFaceStorageWriter("x", save_distributed=True, max_shard_size=100)
+
+
+def test_reader_thread_count_reads_files_on_threads(tmp_path):
+    import threading
+
+    ref = model_ref()
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path), max_shard_size=200))
+    readers: set[str] = set()
+
+    class Recording(dcp.DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            readers.add(threading.current_thread().name)
+            return super().resolve_tensor(read_item)
+
+    back = {k: torch.zeros_like(v) for k, v in ref.items()}
+    dcp.load(back, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path), thread_count=3), planner=Recording())
+    assert len(readers) >= 2 and all(r.startswith("plait-hf") for r in readers), readers
+    assert all(torch.equal(back[k], v) for k, v in ref.items())
+
+
+def test_every_file_and_the_index_are_fsynced_once(tmp_path, monkeypatch):
+    """Durability: each model file once (after every rank's writes), the index, then the
+    directory holding its rename; sync_files=False: none."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    ref = model_ref()
+    path = tmp_path / "hf"
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(path), max_shard_size=200))
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    assert len(files) > 2
+    assert sorted(synced[:len(files)]) == [str(path / f) for f in files]
+    assert synced[len(files):] == [str(path / (INDEX_FILE + ".tmp")), str(path)], synced
+    synced.clear()
+    dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "nosync"), sync_files=False))
+    assert synced == []

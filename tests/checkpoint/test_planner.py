@@ -80,3 +80,24 @@ def test_plan_codec_round_trips_the_flat_and_the_generic_forms():
     back = from_wire(json.loads(json.dumps(wired)))
     assert back == [flat, generic, read, data]
     assert type(back[1].tensor_data.chunk.offsets) is tuple and back[2].dest_index.index == 7
+
+
+def test_plan_codec_write_results_travel_flat_only_with_plain_json_records():
+    """WriteResult with a JSON record ($wr), its index's offsets a Size again; a record that
+    needs tags (a tuple, a "$" key) takes the generic form and comes back equal."""
+    import json
+
+    from plait.checkpoint import planner_api as api
+    from plait.checkpoint.plan_codec import from_wire, to_wire
+    from plait.checkpoint.storage_api import WriteResult
+
+    flat = WriteResult(api.MetadataIndex("w", (2, 0), 3), 24, {"chunk": {"offsets": [2, 0], "crc32": 7}, "n": None})
+    value = WriteResult(api.MetadataIndex("step"), 1, {"value": 3.5})
+    tagged = WriteResult(api.MetadataIndex("w", (0, 0)), 24, {"chunk": (1, 2)})
+    dollar = WriteResult(api.MetadataIndex("w", (0, 0)), 24, {"$raw": "x"})
+    wired = to_wire([flat, value, tagged, dollar])
+    assert [next(iter(w)) for w in wired] == ["$wr", "$wr", "$dc", "$dc"]
+    back = from_wire(json.loads(json.dumps(wired)))
+    assert back == [flat, value, tagged, dollar]
+    assert type(back[0].index.offset) is torch.Size and back[0].index.index == 3 and back[1].index.offset is None
+    assert type(back[2].storage_data["chunk"]) is tuple
