@@ -44,9 +44,8 @@ class DTensor(torch.Tensor):
         r._local, r._pending, r._spec = local_tensor, None, spec
         return r
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.dispatch(func, args, kwargs or _NO_KWARGS)
+    # __torch_dispatch__ is plait.tensor.dispatch.torch_dispatch, set on the class when that
+    # module loads (imported at the end of this one): one Python frame per op, not two
 
     # -- what the user sees -----------------------------------------------------------------
 
@@ -247,6 +246,6 @@ _NO_KWARGS: dict = {}
 
 # these import this module; binding the modules (not their names) lets either load first
 from plait.tensor import conversions as _conv  # noqa: E402
-from plait.tensor import dispatch as _dispatch  # noqa: E402
+from plait.tensor import dispatch as _dispatch  # noqa: E402, F401 - binds __torch_dispatch__
 
 __all__ = ["DTensor", "wrap"]
