@@ -1,6 +1,6 @@
 """replicate: data parallel as a change to the module, not a wrapper around it.
 
-    replicate(model)  -> ReplicaState (shapes checked, states from rank 0, buckets)
+    replicate(model)  -> ReplicaState (shapes checked, parameters from rank 0, buckets)
                       -> forward pre-hook: pre_forward; forward hook: post_forward
                       -> model's class becomes Replicate<Cls>: adds
                          set_requires_gradient_sync, no_sync, register_comm_hook, join
