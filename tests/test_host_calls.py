@@ -28,10 +28,12 @@ FLOOR = 400  # forward + backward + AdamW of a 2-layer Llama alone makes more ca
 
 # measured (the max over the two ranks) -> bound, about +10%
 BOUNDS = {
-    "DDP": 660,  # 599 (1064 before the buffer walk and the one-call gradient hook)
-    "FSDP2": 3230,  # 2934
-    "FSDP1": 3240,  # 2946
-    "TP + SP": 11100,  # 10076
+    "DDP": 651,  # 592 (1064 before the buffer walk and the one-call gradient hook; 599 before the
+    #              output watch without pytree)
+    "replicate": 577,  # 524 (no buffer broadcast: torch's replicate syncs parameters only)
+    "FSDP2": 1795,  # 1630 (2934 before the one-frame DTensor dispatch and the engine's inline loops)
+    "FSDP1": 1810,  # 1644 (2946 before, the same two cuts)
+    "TP + SP": 8895,  # 8086 (10076 before the one-frame DTensor dispatch)
     "PP 1F1B": 1690,  # 1531 (the last stage; the first makes 704)
 }
 
@@ -39,7 +41,7 @@ BOUNDS = {
 def _steps(tokens: torch.Tensor) -> dict:
     import plait.fsdp as fsdp
     import plait.fsdp.wrap as wrap
-    from plait.ddp import DistributedDataParallel
+    from plait.ddp import DistributedDataParallel, replicate
     from plait.device_mesh import init_device_mesh
     from plait.models.llama import TransformerBlock, parallelize_llama
     from plait.tensor.parallel import loss_parallel
@@ -56,8 +58,8 @@ def _steps(tokens: torch.Tensor) -> dict:
                                              device_id=torch.device("cpu"))
 
     steps = {}
-    for name, build in (("DDP", lambda: DistributedDataParallel(hc.host_model(LAYERS))), ("FSDP2", fsdp2),
-                        ("FSDP1", fsdp1)):
+    for name, build in (("DDP", lambda: DistributedDataParallel(hc.host_model(LAYERS))),
+                        ("replicate", lambda: replicate(hc.host_model(LAYERS))), ("FSDP2", fsdp2), ("FSDP1", fsdp1)):
         model = build()
         steps[name] = hc.train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens)
     tp = parallelize_llama(hc.host_model(LAYERS), init_device_mesh("cpu", (comm.world_size(),)))

@@ -28,7 +28,10 @@ def watch_outputs(output: object, on_start: Callable[[], None]) -> list[torch.Te
     Returns those tensors (the roots a parameter must be reachable from to count as
     used): the ones with a grad_fn.
     """
-    roots = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if isinstance(output, torch.Tensor):  # the common case, without pytree's calls (every forward)
+        roots = [output] if output.grad_fn is not None else []
+    else:
+        roots = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     for node in {t.grad_fn for t in roots}:
         node.register_prehook(lambda grad_outputs: on_start())
     return roots

@@ -1,6 +1,6 @@
 """replicate: data parallel as a change to the module, not a wrapper around it.
 
-    replicate(model)  -> ReplicaState (shapes checked, states from rank 0, buckets)
+    replicate(model)  -> ReplicaState (shapes checked, parameters from rank 0, buckets)
                       -> forward pre-hook: pre_forward; forward hook: post_forward
                       -> model's class becomes Replicate<Cls>: adds
                          set_requires_gradient_sync, no_sync, register_comm_hook, join
@@ -8,9 +8,12 @@
     model.state_dict() -> the module's own keys: nothing was wrapped
 
 On an N-D mesh pass the 1-D data-parallel axis (`device_mesh=mesh["dp"]`). Unlike torch's
-`replicate`, it syncs at once (not at the first forward) and broadcasts buffers, exactly
-as the wrapper does. Parameters may be DTensors on the other axes of the mesh (tensor
-parallel inside data parallel): their local shards are synced and reduced over dp.
+`replicate`, it syncs the parameters at once (not at the first forward). Buffers are never
+synced, neither at start nor before a forward, as with torch's `replicate`, whose DDP wraps
+the parameters only (a ParameterList: `broadcast_buffers` is accepted and does nothing
+there); this also keeps a per-forward broadcast off its step. Parameters may be DTensors on
+the other axes of the mesh (tensor parallel inside data parallel): their local shards are
+synced and reduced over dp.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def replicate(
     *,
     device_mesh: Any = None,
     process_group: ProcessGroup | None = None,
-    broadcast_buffers: bool = True,
+    broadcast_buffers: bool = True,  # noqa: ARG001 - torch's keyword, no effect there either (see above)
     init_sync: bool = True,
     bucket_cap_mb: float | None = None,
     find_unused_parameters: bool = False,
@@ -104,7 +107,8 @@ def replicate(
     """Make `module` data parallel in place and return it.
 
     Parameters of `ignored_modules` (and their submodules) are neither synchronized nor
-    reduced. Options mean what they mean for DistributedDataParallel.
+    reduced. Options mean what they mean for DistributedDataParallel, except
+    broadcast_buffers: buffers are left alone, as torch's replicate leaves them.
     """
     if hasattr(module, _STATE):
         raise RuntimeError(f"{type(module).__name__} is already replicated")
@@ -120,7 +124,7 @@ def replicate(
     if device_id is not None and torch.device(device_id).type != "cpu":
         device_ids = [device_id]
     state = ReplicaState(
-        module, group=group, ignored=ignored, broadcast_buffers=broadcast_buffers, init_sync=init_sync,
+        module, group=group, ignored=ignored, broadcast_buffers=False, init_sync=init_sync,
         caps=bucket_caps(bucket_cap_mb, None), find_unused_parameters=find_unused_parameters,
         gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, device_ids=device_ids,
     )

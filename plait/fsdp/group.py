@@ -43,6 +43,13 @@ from plait import comm
 from plait.comm import device as streams_api
 from plait.device_mesh import DeviceMesh
 from plait.fsdp.param import FSDPParam
+from plait.tensor.dtensor import _STRIDED, DTensor, _make_wrapper
+
+# Host cost: the loops below run per parameter at every unshard, reshard and reduction. For a
+# plain parameter sharded on dim 0 (FSDPParam.rows_first, the common case) they do its work
+# inline, in C calls only; any other parameter goes through FSDPParam's methods. Autograd is
+# switched off with the C call (torch.no_grad() is five Python frames).
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class ShardedState(Enum):
@@ -235,12 +242,25 @@ class ParamGroup:
 
     def _packed_shards(self) -> torch.Tensor:
         """This rank's shards, each refreshed from its parameter, packed at their offsets: (S,)."""
-        for p in self.params:
-            p.refresh_sharded()
         inp = torch.empty(self.total, dtype=self.param_dtype, device=self.device)  # (S,)
-        with torch.no_grad():
+        grad_was = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
             for p, off, size in zip(self.params, self.offsets, self.sizes):
-                p.copy_in(inp[off:off + size])
+                module, name = p.sites[0]
+                current = module._parameters.get(name)
+                if current is not p.sharded and current is not p.unsharded and current is not None:
+                    p.refresh_sharded()  # the user registered a parameter in our place
+                if not p.rows_first:
+                    p.copy_in(inp[off:off + size])
+                    continue
+                sharded, n = p.sharded, p.local_numel  # FSDPParam.copy_in, inline
+                local = sharded._local if sharded._pending is None else sharded._local_tensor
+                inp[off:off + n].copy_(local.reshape(-1))
+                if n < size:
+                    inp[off + n:off + size].zero_()
+        finally:
+            _set_grad_enabled(grad_was)
         return inp
 
     def wait_for_unshard(self) -> None:
@@ -254,7 +274,7 @@ class ParamGroup:
             compute = streams_api.current_stream(self.device)
             streams_api.wait_event(compute, self._gather_event)
             self._gather_event = None
-        n, nbytes = self.world, self.unsharded_bytes
+        n, nbytes = self.world, self.world * self.total * self.param_dtype.itemsize  # unsharded_bytes
         if self._post_gather:  # (k, N/k * S): member j's rows are j, j + k, j + 2k, ...
             k = self.post_forward_size
             gathered = gathered.view(k, n // k, self.total).transpose(0, 1).reshape(n, self.total)
@@ -266,14 +286,24 @@ class ParamGroup:
             self._flat = torch.empty(n * self.total, dtype=self.param_dtype, device=self.device)
         else:
             self._flat.untyped_storage().resize_(nbytes)
-        blocks = [self._flat[n * off: n * (off + size)] for off, size in zip(self.offsets, self.sizes)]
-        with torch.no_grad():
-            torch.split_with_sizes_copy(gathered, self.sizes, dim=1, out=[b.view(n, s) for b, s in
-                                                                          zip(blocks, self.sizes)])
+        flat, blocks, views = self._flat, [], []
+        for off, size in zip(self.offsets, self.sizes):
+            block = flat[n * off: n * (off + size)]
+            blocks.append(block)
+            views.append(block.view(n, size))
+        grad_was = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            torch.split_with_sizes_copy(gathered, self.sizes, dim=1, out=views)
+        finally:
+            _set_grad_enabled(grad_was)
+        dtype = self.param_dtype
         for p, block in zip(self.params, blocks):
-            if fresh or p.unsharded is None or p.unsharded.dtype != self.param_dtype:
+            if fresh or p.unsharded is None or p.unsharded.dtype != dtype:
                 p.bind(block)
-            p.register(p.unsharded)
+            unsharded = p.unsharded
+            for module, name in p.sites:  # FSDPParam.register, inline
+                module._parameters[name] = unsharded
         self.state = ShardedState.UNSHARDED
         if streams is not None:  # the next gather reuses these buffers only after the copy-out
             copied = streams_api.record_event(compute)
@@ -314,7 +344,9 @@ class ParamGroup:
         if self.state is ShardedState.SHARDED:
             return
         for p in self.params:
-            p.register(p.sharded)
+            sharded = p.sharded
+            for module, name in p.sites:  # FSDPParam.register, inline
+                module._parameters[name] = sharded
         self._flat.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
 
@@ -338,9 +370,34 @@ class ParamGroup:
         n = self.world
         # (N, S); each parameter writes its block and zeroes its padding (no whole-buffer memset)
         rs_in = torch.empty(n, self.total, dtype=self.reduce_dtype, device=self.device)
-        with torch.no_grad():
+        grad_was = torch.is_grad_enabled()
+        _set_grad_enabled(False)  # a grad may require grad (backward with create_graph=True)
+        try:
             for p, off, size in zip(self.params, self.offsets, self.sizes):
-                p.fill_grad(rs_in[:, off:off + size])
+                dst = rs_in[:, off:off + size]  # (N, P): the unsharded rows, rank-major, then padding
+                if p.rows_first and p.acc_grad is None:  # FSDPParam.pop_grad_rows, inline
+                    unsharded = p.unsharded
+                    grad = None if unsharded is None else unsharded.grad
+                    if grad is not None:
+                        unsharded.grad = None
+                        rows = grad.reshape(-1)
+                    else:
+                        rows = None
+                else:
+                    rows = p.pop_grad_rows()
+                if rows is None:
+                    dst.zero_()
+                    continue
+                full, rem = p.grad_split
+                if full:
+                    dst[:full].copy_(rows[: full * size].view(full, size))
+                if rem:
+                    dst[full, :rem].copy_(rows[full * size:])
+                    dst[full, rem:].zero_()
+                if full + (rem > 0) < n:
+                    dst[full + (rem > 0):].zero_()
+        finally:
+            _set_grad_enabled(grad_was)
         if self.streams is None:
             handle = comm.reduce_scatter(rs_in.view(-1), group=self.shard_group, async_op=True)  # -> (S,)
             self.queue.push(self, handle)
@@ -363,9 +420,34 @@ class ParamGroup:
                 return
             comm.all_reduce(reduced, group=self.replicate_group)
         reduced.div_(self.dp_size)
-        with torch.no_grad():
+        grad_dtype = self.grad_dtype
+        grad_was = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
             for p, off, size in zip(self.params, self.offsets, self.sizes):
-                p.take_shard_grad(reduced[off:off + size], self.grad_dtype)
+                piece = reduced[off:off + size]
+                sharded = p.sharded
+                grad, dtype = sharded.grad, p.orig_dtype
+                if not (p.rows_first and (grad_dtype is None or grad_dtype == dtype)
+                        and (grad is None or grad.dtype == dtype)):
+                    p.take_shard_grad(piece, grad_dtype)
+                    continue
+                # FSDPParam.take_shard_grad, inline: the piece (its real rows) to the shard's
+                # device and dtype, added to the sharded .grad or, a copy, made it
+                local = piece[: p.local_numel].view(p.local_rows, *p.rest)
+                device = (sharded._local if sharded._pending is None else sharded._local_tensor).device
+                if grad is not None:
+                    (grad._local if grad._pending is None else grad._local_tensor).add_(
+                        local.to(device=device, dtype=dtype))
+                    continue
+                local = local.to(device=device, dtype=dtype, copy=True)  # not the whole output kept alive
+                spec = sharded._spec
+                new = _make_wrapper(DTensor, spec.shape, spec.stride, None, None, spec.dtype, _STRIDED,
+                                    local.device, False, False)  # dtensor.wrap, inline
+                new._local, new._pending, new._spec = local, None, spec
+                sharded.grad = new
+        finally:
+            _set_grad_enabled(grad_was)
 
 
 __all__ = ["FSDPStreams", "ParamGroup", "ReduceQueue", "ShardedState"]

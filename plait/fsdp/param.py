@@ -73,6 +73,13 @@ class FSDPParam:
         self.pad_rows = -(-self.rows // n)
         self.padded_numel = self.pad_rows * self.row_numel  # per rank, in the flat buffers
         self.local_rows, start = chunk_offset(self.rows, n, rank)
+        self.local_numel = self.local_rows * self.row_numel
+        # a plain parameter sharded on dim 0: the group's loops move it inline (no call per
+        # parameter per step); any other runs through copy_in / pop_grad_rows / take_shard_grad
+        self.rows_first = self.dim == 0 and not isinstance(param, DTensor)
+        # (full, rem): the unsharded rows fill `full` rows of its (world, padded_numel) block
+        # of the reduce-scatter input, and `rem` elements of the next
+        self.grad_split = divmod(self.numel, self.padded_numel) if self.padded_numel else (0, 0)
 
         local = source.detach().narrow(self.dim, start, self.local_rows)
         if not local.is_meta and local.device != shard_device:
@@ -159,31 +166,21 @@ class FSDPParam:
         rows = block.reshape(-1)[: self.numel].view(self.rows, *self.rest)  # one copy (the block is strided)
         return rows if self.dim == 0 else rows.movedim(0, self.dim).contiguous()
 
-    def fill_grad(self, dst: torch.Tensor) -> bool:
-        """Write the unsharded gradient (plus any accumulated one) into `dst` (world,
-        padded_numel), a strided column block of the uninitialised reduce-scatter input,
-        and zero its padding (the last numel..world*padded_numel elements in rank-major
-        order). Returns False (dst all zero) when there is no gradient."""
+    def pop_grad_rows(self) -> torch.Tensor | None:
+        """The unsharded gradient plus any accumulated one, flat in rows layout (numel,), or
+        None without either; both are cleared. ParamGroup.post_backward writes it into the
+        reduce-scatter input (and does this inline for a rows_first parameter)."""
         grad = self._unsharded_grad()
         if grad is None and self.acc_grad is None:
-            dst.zero_()
-            return False
+            return None
         if grad is not None:
             rows = (grad if self.dim == 0 else grad.movedim(self.dim, 0)).reshape(-1)
             if self.acc_grad is not None:
                 rows = self.acc_grad + rows
         else:
             rows = self.acc_grad
-        full, rem = divmod(self.numel, self.padded_numel) if self.padded_numel else (0, 0)
-        if full:
-            dst[:full].copy_(rows[: full * self.padded_numel].view(full, self.padded_numel))
-        if rem:
-            dst[full, :rem].copy_(rows[full * self.padded_numel:])
-            dst[full, rem:].zero_()
-        if full + (rem > 0) < self.world:
-            dst[full + (rem > 0):].zero_()
         self.clear_grad()
-        return True
+        return rows
 
     def accumulate_unsharded(self, dtype: torch.dtype) -> None:
         """Keep this step's unsharded gradient (no gradient sync) in `dtype`, in rows layout."""

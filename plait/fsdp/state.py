@@ -120,7 +120,7 @@ class FSDPState:
         for s in ctx.states:
             g = s.group
             if g is not None and (g.state is ShardedState.UNSHARDED or g._gather is not None):
-                live += g.unsharded_bytes
+                live += g.world * g.total * g.param_dtype.itemsize  # g.unsharded_bytes, inline
                 groups += not s.is_root
         ctx.peak_unsharded = max(ctx.peak_unsharded, groups)
         ctx.peak_unsharded_bytes = max(ctx.peak_unsharded_bytes, live)
@@ -203,6 +203,10 @@ class FSDPState:
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
+        if isinstance(output, torch.Tensor):  # the common case, without pytree's calls
+            if output.requires_grad:
+                output.register_hook(self._pre_backward)
+            return output
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._pre_backward)
@@ -269,6 +273,9 @@ def _cast(t: Any, dtype: torch.dtype) -> Any:
     return t
 
 
+_SCALARS = (int, float, bool, str, complex)  # pytree leaves, like tensors and None
+
+
 class RegisterPostBackward(torch.autograd.Function):
     """Identity in forward; in backward, once the grads of the module's inputs exist (so its
     parameter grads do too), the group's post-backward."""
@@ -285,6 +292,23 @@ class RegisterPostBackward(torch.autograd.Function):
 
 
 def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if not kwargs:  # positional tensors and scalars only (a block's call): no pytree
+        where, tensors = [], []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                if a.requires_grad:
+                    where.append(i)
+                    tensors.append(a)
+            elif not (a is None or type(a) in _SCALARS):
+                break
+        else:
+            if not where:
+                return args, kwargs
+            outs = RegisterPostBackward.apply(state, *tensors)
+            flat_args = list(args)
+            for i, t in zip(where, outs):
+                flat_args[i] = t
+            return tuple(flat_args), kwargs
     flat, spec = tree_flatten((args, kwargs))
     where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not where:

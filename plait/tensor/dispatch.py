@@ -1,13 +1,14 @@
 """__torch_dispatch__ for DTensor: look up the call's plan, move inputs, run locally, wrap.
 
-    key = (id(op), spec of every DTensor arg, every other arg)    one tuple hash per call
-          (a float arg of a pointwise op by its type: its value changes no plan)
+    key = (id(op), token of every DTensor arg's spec, every other arg)    one tuple hash per call
+          (a float arg of a pointwise op by its type: its value changes no plan; a spec by
+          its int token, so hashing the key runs no Python: see _token)
     plan = cache[key] or planner.build(...)                   rule -> steps + output specs
     run:  local_i = steps_i(dtensor_i local) -> op(locals) -> wrap with the output specs
 
-Steady state a call costs the key's hash, the collectives its inputs need (usually
-none), the local op and one wrapper per output; specs come from the plan, so no spec is
-created. `Plan.fast` marks the common case (DTensors only as positional args, nothing
+Steady state a call costs one Python frame (torch_dispatch is DTensor.__torch_dispatch__
+itself), the collectives its inputs need (usually none), the local op and one wrapper per
+output; specs come from the plan, so no spec is created. `Plan.fast` marks the common case (DTensors only as positional args, nothing
 to move, one output) that skips the general bookkeeping; `Plan.fast_inplace` the same for
 an op that writes and returns one of its DTensor args. An op that writes an argument
 in place returns that same DTensor object.
@@ -15,10 +16,12 @@ in place returns that same DTensor object.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from plait.tensor import redistribute as redist
-from plait.tensor.dtensor import DTensor, wrap
+from plait.tensor.dtensor import _NO_KWARGS, _STRIDED, DTensor, _make_wrapper, wrap
 from plait.tensor.ops.registry import FLOAT_VALUE_FREE
 from plait.tensor.placement import Replicate
 from plait.tensor.spec import DTensorSpec
@@ -31,7 +34,10 @@ _Tensor = torch.Tensor
 _allow_implicit_replication = False
 
 
-def dispatch(op, args: tuple, kwargs: dict):
+def torch_dispatch(cls, op, types, args: tuple = (), kwargs: dict | None = None):
+    """DTensor.__torch_dispatch__ (bound below): one frame per op, on the optimizer's hot path."""
+    if kwargs is None:
+        kwargs = _NO_KWARGS
     dts: list[DTensor] = []
     key: list = [id(op)]  # an OpOverload hashes in Python; its id in C
     append = key.append
@@ -41,8 +47,10 @@ def dispatch(op, args: tuple, kwargs: dict):
             t = type(a)
             if t is DTensor:
                 dts.append(a)
-                append(a._spec)
-                append(id(a._spec.mesh))  # see _key
+                spec = a._spec
+                token = spec._token
+                append(token if token is not None else _token(spec))
+                append(id(spec.mesh))  # see _key
             elif t is list or t is tuple or isinstance(a, _Tensor):
                 append(_key(op, a, dts))
             else:
@@ -67,7 +75,12 @@ def dispatch(op, args: tuple, kwargs: dict):
         la = list(args)
         for i, dt in zip(plan.fast, dts):
             la[i] = dt._local if dt._pending is None else dt._local_tensor
-        return wrap(plan.raw_op(*la, **kwargs) if kwargs else plan.raw_op(*la), plan.out_specs[0])
+        out = plan.raw_op(*la, **kwargs) if kwargs else plan.raw_op(*la)
+        spec = plan.out_specs[0]  # dtensor.wrap, inlined: a frame per op is the cost here
+        r = _make_wrapper(DTensor, spec.shape, spec.stride, None, None, spec.dtype, _STRIDED, out.device,
+                          False, False)
+        r._local, r._pending, r._spec = out, None, spec
+        return r
     if plan.fast_inplace is not None:
         la = list(args)
         for i, dt in zip(plan.fast_inplace, dts):
@@ -77,6 +90,30 @@ def dispatch(op, args: tuple, kwargs: dict):
     return plan.run(args, kwargs, dts)
 
 
+def dispatch(op, args: tuple, kwargs: dict):
+    """An op on DTensor arguments, as __torch_dispatch__ runs it."""
+    return torch_dispatch(DTensor, op, None, args, kwargs)
+
+
+DTensor.__torch_dispatch__ = classmethod(torch_dispatch)
+
+# Spec tokens: equal specs (hash and == run in Python) share one int (hashed in C). Tokens
+# come from a counter that never restarts, so a token always names specs equal to the one it
+# was first given to; forgetting the table (a bound on its size) only costs new tokens.
+_tokens: dict[DTensorSpec, int] = {}
+_next_token = itertools.count()
+
+
+def _token(spec: DTensorSpec) -> int:
+    token = _tokens.get(spec)
+    if token is None:
+        if len(_tokens) >= MAX_CACHED:
+            _tokens.clear()
+        token = _tokens[spec] = next(_next_token)
+    spec._token = token
+    return token
+
+
 def _key(op, a, dts: list):
     t = type(a)
     if t is DTensor:
@@ -84,7 +121,8 @@ def _key(op, a, dts: list):
         # a plan's output specs hold the mesh it was built with: two meshes over the same
         # ranks compare equal, but a result must keep its input's mesh (its root, its groups),
         # so the plan is keyed by the mesh object too (the plan holds it: its id stays unique)
-        return (a._spec, id(a._spec.mesh))
+        spec = a._spec
+        return (spec._token if spec._token is not None else _token(spec), id(spec.mesh))
     if t is list or t is tuple:
         return tuple(_key(op, e, dts) for e in a)
     if isinstance(a, _Tensor):
@@ -231,4 +269,4 @@ def _substitute(args, kwargs, positions, locals_):
 # planner imports Plan from this module; bound as a module so either may load first
 from plait.tensor import planner  # noqa: E402
 
-__all__ = ["Plan", "dispatch"]
+__all__ = ["Plan", "dispatch", "torch_dispatch"]

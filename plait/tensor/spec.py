@@ -25,7 +25,7 @@ from plait.tensor.placement import (
 
 
 class DTensorSpec:
-    __slots__ = ("mesh", "placements", "shape", "stride", "dtype", "_hash", "_local")
+    __slots__ = ("mesh", "placements", "shape", "stride", "dtype", "_hash", "_local", "_token")
 
     def __init__(
         self,
@@ -42,6 +42,7 @@ class DTensorSpec:
         self.dtype = dtype
         self._hash: int | None = None
         self._local: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._token: int | None = None  # dispatch's int name for this value (dispatch._token)
 
     @property
     def ndim(self) -> int:
@@ -106,6 +107,10 @@ class DTensorSpec:
         return self  # immutable, and its mesh holds process groups that must not be copied
 
     __copy__ = __deepcopy__
+
+    def __reduce__(self) -> tuple:
+        # the caches stay behind: _token numbers this process's specs only
+        return DTensorSpec, (self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype)
 
     def __repr__(self) -> str:
         places = ", ".join(str(p) for p in self.placements)
