@@ -53,8 +53,8 @@ class Memory:
     unsharded: int  # FSDP groups gathered at the peak
     activations: int  # saved for backward at the most microbatches in flight
     buffers: int
-    working: int  # activations + gradients + backward's working sets (FSDP's reduce buffers) at their joint peak
-    total: int  # params + optimizer + unsharded + DDP's buckets + working: the peak
+    working: int  # activations + gradients + backward's working sets + FSDP's buffers, at their joint peak
+    total: int  # params + optimizer + DDP's buckets + working (with the unsharded groups then): the peak
 
     def as_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -111,10 +111,11 @@ def rank_actions(dims, pp_rank: int) -> tuple[tuple[int, str], ...]:
 
 
 def block_backward(args, *, tokens: int, tp: int) -> int:
-    """Bytes a block's backward makes at its widest, beside the saved activations: three T x f/tp
-    (the gradients of w1's and w3's outputs and of silu's) and four T x d (the incoming gradient,
-    the residual's sum, w2's input gradient and the norm's), counted at a block's backward."""
-    return (3 * tokens * args.ffn_hidden_dim() // tp + 4 * tokens * args.dim) * F32
+    """Bytes a block's backward holds at its widest beyond its saved activations: in the
+    feed-forward's backward, the gradients of w2's input, of silu's output and of w3's output
+    (three T x f/tp) are alive while w2's saved input is already freed (net two), beside the
+    incoming gradient and the residual's (two T x d), as live_bytes finds it."""
+    return (2 * tokens * args.ffn_hidden_dim() // tp + 2 * tokens * args.dim) * F32
 
 
 def loss_gradients(args, dims, *, tokens: int) -> int:
@@ -132,38 +133,35 @@ def loss_gradients(args, dims, *, tokens: int) -> int:
 class StageCost:
     """One stage on one rank, for the walk: bytes per microbatch unless said."""
     acts: int  # saved for backward by the stage
-    extras: int  # of those, the part outside the blocks freed before the blocks' backward (the head)
-    block: int  # one block's saved activations (the first freed in backward)
     grads: int  # the stage's gradients, alive from its first backward to the step's end
-    loss: int  # the loss's backward at the start of the stage's backward (last stage)
-    block_backward: int  # a block's backward: its intermediate gradients, plus the recompute under AC
-    reduce: int  # FSDP (pp = 1): the reduce-scatter's unsharded grads and output, after a block's backward
     kept: int  # held to the step's end per microbatch (pp > 1, last stage: the logits the schedule returns)
+    forward: int  # held beside the activations while forward runs (FSDP: the root's unsharded group)
+    # moments of one backward, each (bytes of this microbatch's activations freed by then,
+    # bytes held beside them then): the loss's; the last block's (its working set); the
+    # block before's (the last one's reduce-scatter in flight)
+    moments: tuple[tuple[int, int], ...]
 
 
 def working_peak(dims, pp_rank: int, costs: dict[int, StageCost]) -> int:
     """The most bytes activations, gradients and backward's working sets hold at once: walking
-    the rank's actions, an F adds its stage's saved activations (one microbatch); a B holds, in
-    turn, (1) everything so far plus the loss's gradients, (2) less the head's activations, plus
-    the last block's backward working set, (3) less that block's activations too, plus FSDP's
-    reduce-scatter buffers; it ends freeing the microbatch's activations, and the stage's
-    gradients exist from then on (accumulated in place by later microbatches)."""
+    the rank's actions, an F adds its stage's saved activations (one microbatch); a B passes
+    its moments, then frees the microbatch's activations, and the stage's gradients exist from
+    then on (accumulated in place by later microbatches). Checked after each F, at each
+    moment and after each B."""
     held = present = peak = 0
     seen: set[int] = set()
     for stage, kind in rank_actions(dims, pp_rank):
         c = costs[stage]
         if kind == "F":
             held += c.acts + c.kept
-            peak = max(peak, held + present)
+            peak = max(peak, held + present + c.forward)
             continue
-        base = held + present
-        peak = max(peak, base + c.loss, base - c.extras + c.block_backward,
-                   base - c.extras - c.block + c.reduce)
+        peak = max([peak] + [held + present - freed + extra for freed, extra in c.moments])
         held -= c.acts
         if stage not in seen:
             seen.add(stage)
             present += c.grads
-        peak = max(peak, held + present)
+        peak = max(peak, held + present + c.forward)
     return peak
 
 
@@ -181,7 +179,10 @@ def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: i
     stages = stages_of(dims, c["pp"])
     per_block_max = 0
     costs: dict[int, StageCost] = {}
+    parts: dict[int, tuple] = {}
     ddp = 0
+    reduce = 0
+    phases = (0, 0, 0)  # FSDP's unsharded bytes at forward's end / the last block's backward / the one before's
     for stage in stages:
         ps = stage_params(args, dims, stage, c["tp"])
         n_params += len(ps)
@@ -199,31 +200,45 @@ def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: i
                 root = sum(b for b, is_root in groups if is_root)
                 blocks = sorted((b for b, is_root in groups if not is_root), reverse=True)
                 unsharded += root + sum(blocks[:2])
+                # the last block's backward: the block before is being gathered (the all-gather's
+                # output, one group, and its input, the rank's shard of it)
+                phases = (root, unsharded + sum(blocks[1:2]) // n, root + sum(blocks[1:3]))
                 grads = local
             largest = max(b for b, _ in groups)
             reduce = largest + largest // n
             buffers = max(buffers, reduce)
         else:
             local = sum(p.numel for p in ps) * F32
-            grads, reduce = local, 0
+            grads = local
             if dims.dp_replicate > 1 and dims.pp == 1:
                 ddp += local  # the buckets: a flat copy of the grads (pp > 1 turns DDP's sync off: unused)
         params += local
         block = block_activations(args, tokens=tokens, tp=t, sp=sp)
         per_block_max = max(per_block_max, block)
         extras = stage_activations(args, tokens=tokens, seq_len=seq_len, tp=t, sp=sp, first=stage == 0, last=last)
-        acts = extras
         layers = dims.stage_layers[stage]
-        for i in layers:
-            ck = ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0)
-            acts += (tokens // t if sp else tokens) * args.dim * F32 if ck else block
-        last_ck = bool(layers) and (ac_mode == "full" or (ac_mode == "every" and layers[-1] % ac_every == 0))
-        work = block_backward(args, tokens=tokens, tp=t) if layers else 0
-        costs[stage] = StageCost(
-            acts=acts, extras=extras if last else 0, block=0 if not layers or last_ck else block, grads=grads,
-            loss=loss_gradients(args, dims, tokens=tokens) if last else 0,
-            block_backward=work + (block if last_ck else 0), reduce=reduce,
-            kept=tokens * (args.vocab_size // t) * F32 if last and dims.pp > 1 else 0)
+        ck = [ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) for i in layers]
+        kept_in = (tokens // t if sp else tokens) * args.dim * F32  # a checkpointed block keeps its input
+        held = [kept_in if k else block for k in ck]  # per block, in layer order
+        recompute = [block if k else 0 for k in ck]
+        head = extras if last else 0  # the head's activations go first in backward
+        # the head's gradients (output, final norm) exist from the loss's backward on; FSDP
+        # reduce-scatters the root group's only at the end of backward
+        head_grads = sum(p.numel for p in ps if p.block is None and p.name != "tok_embeddings.weight") * F32
+        parts[stage] = (extras + sum(held), grads, head, head_grads, held, recompute, reduce, phases,
+                        loss_gradients(args, dims, tokens=tokens) if last else 0,
+                        tokens * (args.vocab_size // t) * F32 if last and dims.pp > 1 else 0)
+    work = block_backward(args, tokens=tokens, tp=t)
+    for stage, (acts, grads, head, head_grads, held, recompute, reduce, phases, loss, kept) in parts.items():
+        if dims.pp > 1:  # every group of the rank's stages, the whole step; reduced once, after the last B
+            phases, reduce = (unsharded,) * 3, 0
+        moments = [(0, loss + phases[0])]
+        if held:
+            moments.append((head, head_grads + recompute[-1] + work + phases[1]))
+            # the block before runs while the last one's reduce-scatter is in flight (FSDP)
+            before = (recompute[-2] + work) if len(held) > 1 else 0
+            moments.append((head + held[-1], head_grads + before + reduce + phases[2]))
+        costs[stage] = StageCost(acts=acts, grads=grads, kept=kept, forward=phases[0], moments=tuple(moments))
     in_flight = peak_in_flight(dims, c["pp"])
     saved = sum(x.acts for x in costs.values()) * in_flight // len(stages) if stages else 0  # spread over the stages
     if ac_mode != "none":
@@ -231,4 +246,4 @@ def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: i
     working = working_peak(dims, c["pp"], costs) if stages else 0
     return Memory(params=params, grads=sum(x.grads for x in costs.values()), optimizer=2 * params + n_params * F32,
                   unsharded=unsharded, activations=saved, buffers=buffers + ddp,
-                  working=working, total=params + 2 * params + n_params * F32 + unsharded + ddp + working)
+                  working=working, total=params + 2 * params + n_params * F32 + ddp + working)
