@@ -1,19 +1,31 @@
 """Peak bytes one rank holds during a step, by component (torch-free, fp32 as plait train runs).
 
     ModelArgs + ParallelDims + AC mode + rank -> shapes (the rank's stages and parameters)
-    -> state: parameters, gradients, AdamW (exp_avg, exp_avg_sq, one float32 step per param)
-       on the rank's shards (FSDP: its real rows; TP: its local pieces)
-    -> unsharded FSDP groups alive at the peak: pp = 1, the root group and two blocks (the one
-       running and the one prefetched); pp > 1, every group of the stage (plait.pipelining
-       keeps them unsharded for the whole step)
-    -> activations: per block and microbatch (formula below), times the microbatches in flight
-       (the schedule simulator's peak for the rank, pp > 1), plus the logits on the last stage
-    -> communication buffers: FSDP's reduce-scatter input (the largest group, unsharded) and
-       output; DDP's gradient buckets (a copy of the grads; pp = 1 only: pp turns DDP's sync off)
-    -> the walk (working_peak): the rank's schedule actions in order, F adding a microbatch's
-       activations, B holding in turn the loss's gradients, a block's backward working set
-       (and its recompute under AC), FSDP's reduce-scatter buffers, then freeing the microbatch
-       and leaving the stage's gradients (FSDP under pp: unsharded, summed to the step's end)
+    -> state, alive all step: parameters and AdamW (exp_avg, exp_avg_sq, one float32 step per
+       param) on the rank's shards (FSDP: its real rows; TP: its local pieces); DDP's buckets
+       (a flat copy of the grads; pp = 1 only: under pp DDP's own sync is off)
+    -> per stage (StageCost): one microbatch's saved activations (formula below); its grads,
+       alive from its first B (FSDP under pp: unsharded, summed to the step's end); the moments
+       of its backward, each (activations freed by then, bytes held beside them):
+         the loss's   the logits' gradients (loss_gradients)
+         last block   the head's activations freed; its feed-forward backward's working set
+                      (block_backward; AC: plus the block's recompute); the head's grads
+         block before the last block's activations freed too; its working set again, the last
+                      one's reduce-scatter in flight (FSDP)
+         attention    context parallel: the same two blocks once their feed-forward is freed and
+                      its grads made, while the ring's backward runs (ring_backward)
+    -> FSDP's unsharded groups: pp = 1, the root's alone through forward's end and the loss's
+       backward (the last block is gathered when the logits' grad arrives), the last block's
+       and the one before's (prefetched: the all-gather's output and input) in the last block's
+       backward, one block beside the root after it; pp > 1, every group of the rank's stages
+       for the whole step (plait.pipelining keeps them unsharded)
+    -> the walk (working_peak): the rank's schedule actions in order (pp = 1: F then B); an F
+       adds a microbatch's activations (pp's last stage also keeps its logits to the step's end:
+       the schedule returns them), a B passes its moments, frees them and leaves its grads
+    Peak = parameters + optimizer + DDP's buckets + the walk's largest figure.
+
+Every term is what plait.train.live_bytes (every op's outputs and saved tensors, by storage)
+found live at the measured peak of a layout of tests/plan/test_live.py on the tiny config.
 
 Activations: the tensors autograd saves, as listed by saved_tensors_hooks on the tiny model
 (unique storages, parameters left out); T = mb * s tokens, t = tp, T' = T/t under SP else T,
@@ -23,16 +35,15 @@ h heads, hd head_dim, f the SwiGLU width; float32 unless said:
                  5 T h hd / t   q, k and v (k, v repeated to h heads), SDPA's output, wo's input
                  4 T f / t      w1 and w3 outputs, silu, w2's input
                  2 T' + T h / t   the norms' rstd, SDPA's logsumexp (CPU's fused kernel: no s x s)
-    per stage    the token ids (int64, first stage); the rotary table slice; on the last stage
+    per stage    the token ids (int64, first stage); the rotary table (a buffer, whole: its
+                 slices are views); on the last stage
                  the final norm (2 T' d + T d + T'), the logits T V / t, the int64 targets;
                  TP without SP: one T d more (the output's replicated input)
 Context parallel: every figure above on T = mb * s/cp tokens (each cp rank's chunks; the ring
 saves q, k, v, out and lse as SDPA does); FSDP shards over dp_shard * cp ranks.
 A checkpointed block keeps only its input, T' * d; while one recomputes, its full set is
-alive once more. Peak = parameters + optimizer + unsharded + DDP's buckets + the walk's peak:
-what plait.train.live_bytes counts, each term found live at the measured peak on the tiny
-config (tests/plan/test_live.py). Under pp the last stage also keeps each microbatch's logits
-to the step's end (the schedule returns them).
+alive once more. `Memory.activations` is the saved activations alone at the most microbatches
+in flight (what tests/plan/test_measured.py compares with saved_tensors_hooks).
 """
 
 from __future__ import annotations
@@ -75,7 +86,7 @@ def stage_activations(args, *, tokens: int, seq_len: int, tp: int, sp: bool, fir
     """Bytes a stage saves outside its blocks for one microbatch (module docstring)."""
     d, t = args.dim, tp
     local = tokens // t if sp else tokens
-    out = (seq_len * args.head_dim // 2) * F32  # the rotary table's rows for this sequence
+    out = args.max_seq_len * args.head_dim * F32  # the rotary table: (max_seq_len, hd/2) pairs of floats
     if first:
         out += (tokens + tokens // seq_len) * 8  # int64 ids: the (mb, s + 1) window the input views
     if last:
@@ -116,6 +127,21 @@ def block_backward(args, *, tokens: int, tp: int) -> int:
     (three T x f/tp) are alive while w2's saved input is already freed (net two), beside the
     incoming gradient and the residual's (two T x d), as live_bytes finds it."""
     return (2 * tokens * args.ffn_hidden_dim() // tp + 2 * tokens * args.dim) * F32
+
+
+def ring_backward(args, *, tokens: int, seq_len: int, tp: int, cp: int) -> int:
+    """Bytes context parallel's ring attention (allgather rotation) holds in its backward, with
+    n = T h hd/tp the elements of this rank's q, of its k (repeated to h heads) and of its v:
+    q and dout as contiguous fp32 views and dq (3n), the gathered K/V and every rank's fp32
+    dK/dV (2 x cp x 2n), the local K/V packed, one step's dk, dv, their pack and the
+    reduce-scatter's output (4 x 2n); and one block's scores, probabilities and their two
+    gradients (4 x mb h/tp (s/2)^2: the causal load balance splits each sequence's local
+    tokens s into two chunks) beside its dq, dk, dv (3 x mb h/tp (s/2) hd)."""
+    if cp == 1:
+        return 0
+    h, hd = args.n_heads // tp, args.head_dim
+    n, half, mb = tokens * h * hd, seq_len // 2, tokens // seq_len
+    return (3 * n + 2 * cp * 2 * n + 4 * 2 * n + 4 * mb * h * half * half + 3 * mb * h * half * hd) * F32
 
 
 def loss_gradients(args, dims, *, tokens: int) -> int:
@@ -222,14 +248,21 @@ def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: i
         held = [kept_in if k else block for k in ck]  # per block, in layer order
         recompute = [block if k else 0 for k in ck]
         head = extras if last else 0  # the head's activations go first in backward
+        # the feed-forward's saved activations (w1, w3 outputs, silu, w2's input; its normed
+        # input; the norm's x * rstd) and weights' gradients: gone / made before attention's backward
+        ffn_acts = (4 * tokens * args.ffn_hidden_dim() // t + tokens * args.dim + (tokens // t if sp else tokens)
+                    * args.dim) * F32
+        ffn_grads = 3 * args.ffn_hidden_dim() * args.dim // t * F32
         # the head's gradients (output, final norm) exist from the loss's backward on; FSDP
         # reduce-scatters the root group's only at the end of backward
         head_grads = sum(p.numel for p in ps if p.block is None and p.name != "tok_embeddings.weight") * F32
-        parts[stage] = (extras + sum(held), grads, head, head_grads, held, recompute, reduce, phases,
+        parts[stage] = (extras + sum(held), grads, head, head_grads, ffn_acts, ffn_grads, held, recompute, reduce, phases,
                         loss_gradients(args, dims, tokens=tokens) if last else 0,
                         tokens * (args.vocab_size // t) * F32 if last and dims.pp > 1 else 0)
     work = block_backward(args, tokens=tokens, tp=t)
-    for stage, (acts, grads, head, head_grads, held, recompute, reduce, phases, loss, kept) in parts.items():
+    ring = ring_backward(args, tokens=tokens, seq_len=seq_len, tp=t, cp=dims.cp)
+    for stage, (acts, grads, head, head_grads, ffn_acts, ffn_grads, held, recompute, reduce, phases, loss,
+                kept) in parts.items():
         if dims.pp > 1:  # every group of the rank's stages, the whole step; reduced once, after the last B
             phases, reduce = (unsharded,) * 3, 0
         moments = [(0, loss + phases[0])]
@@ -238,6 +271,14 @@ def memory_per_rank(args, dims, *, seq_len: int, batch_size: int, global_rank: i
             # the block before runs while the last one's reduce-scatter is in flight (FSDP)
             before = (recompute[-2] + work) if len(held) > 1 else 0
             moments.append((head + held[-1], head_grads + before + reduce + phases[2]))
+            if ring:  # the last block's attention backward, and the one before's (a reduce-scatter in flight)
+                for k, u in ((-1, phases[1]), (-2, phases[2] + reduce)):
+                    if len(held) < -k:
+                        break
+                    gone = head + sum(held[k + 1:]) if k < -1 else head
+                    ck = recompute[k] > 0
+                    moments.append((gone + (0 if ck else ffn_acts),
+                                    head_grads + ffn_grads + ring + (recompute[k] - ffn_acts if ck else 0) + u))
         costs[stage] = StageCost(acts=acts, grads=grads, kept=kept, forward=phases[0], moments=tuple(moments))
     in_flight = peak_in_flight(dims, c["pp"])
     saved = sum(x.acts for x in costs.values()) * in_flight // len(stages) if stages else 0  # spread over the stages
