@@ -1,6 +1,7 @@
 """Peak live tensor bytes of one training step, counted storage by storage (no allocator, no RSS).
 
-    LiveBytes(seeds = the rank's local parameters)
+    LiveBytes(seeds = state_tensors(modules, optimizers): what the step starts holding, i.e. the
+              rank's local parameters, gradients, module buffers and optimizer state; + the batch)
       every tensor seen: the seeds, every op's outputs (a TorchDispatchMode; a DTensor output
       counts as its local tensor), every tensor autograd saves (saved_tensors_hooks)
       -> held by weak reference: alive as long as its TensorImpl is
@@ -10,6 +11,9 @@
 It sees what activation checkpointing holds: the recompute's outputs are op outputs like any
 other, so no saved-tensor hook of the checkpoint's hides them. A storage resized to 0 (FSDP's
 freed unsharded parameters) counts 0 while freed. Views count once (their base's storage).
+A tensor that exists before the step but is neither seeded nor an op's output in it is not
+seen; seeding only the parameters left out AdamW's state (2 x the parameters + a step scalar
+each), which no op outputs before the optimizer's step, so a peak in backward missed it.
 The cost, a pass over the live tensors per op, is paid only in the step measured
 (`--metrics.live_bytes true`: the second, when AdamW's state is alive
 throughout as in every later step; plait plan --compare's timings leave it out). bench_fsdp
@@ -30,6 +34,17 @@ def _plain(t: torch.Tensor) -> torch.Tensor | None:
     local = getattr(t, "_local_tensor", None)  # a DTensor (plait's or torch's) holds no storage itself
     t = local if isinstance(local, torch.Tensor) else t
     return None if t.is_meta else t
+
+
+def state_tensors(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """What a step starts holding: parameters, gradients, buffers and every optimizer state tensor."""
+    out: list[torch.Tensor] = []
+    for m in modules:
+        out += [p for p in m.parameters()] + [p.grad for p in m.parameters() if p.grad is not None]
+        out += list(m.buffers())
+    for o in optimizers:
+        out += [v for state in o.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
 
 
 class LiveBytes(TorchDispatchMode):

@@ -233,9 +233,9 @@ def train(config: JobConfig) -> TrainResult:
         # plait plan --compare leaves the counted step out of its timings, as it does the first.
         # The batch is drawn first: its slices are views of the whole corpus' storage
         if config.metrics.live_bytes and step == min(start + 2, t.steps):
-            from plait.train.live_bytes import LiveBytes
+            from plait.train.live_bytes import LiveBytes, state_tensors
 
-            live = LiveBytes([*params, batch]).__enter__()
+            live = LiveBytes([*state_tensors(parts.modules, optimizers), batch]).__enter__()
         local_loss = _forward_backward(parts, batch, train=True, cp_mesh=meshes.cp)
         reduce_partial_grads(params)
         norm_sq = grad_norm_sq(params, world=world, pp=dims.pp)

@@ -140,3 +140,23 @@ def test_cp_step_time_puts_the_ring_on_the_critical_path():
     hw = Hardware(overlap=1e9)  # every data-parallel byte hidden: what is left exposed is the ring
     st = step_time(args, dims, traffic, hw, seq_len=32, batch_size=8, global_rank=0)
     assert st.exposed_s == pytest.approx(2 * 3 * 65536 / hw.bandwidth)
+
+
+def test_walk_holds_the_microbatches_in_flight_and_the_grads_after_the_first_backward():
+    """1F1B on 2 ranks, 2 microbatches: rank 0 runs F0 F1 B0 B1 (two microbatches held at its first
+    B), rank 1 F0 B0 F1 B1 (one, but the grads of its first B beside the second)."""
+    from plait.plan.memory import StageCost, working_peak
+
+    config, args, dims = _dims(2, ["--parallel.dp_shard", "1", "--parallel.pp", "2"])
+    cost = StageCost(acts=10, grads=3, kept=0, forward=0, moments=((0, 1),))
+    assert working_peak(dims, 0, {0: cost}) == 10 + 10 + 1
+    assert working_peak(dims, 1, {1: cost}) == 10 + 3 + 1
+
+
+def test_one_rank_peaks_at_the_loss_backward():
+    """No parallelism: parameters + AdamW + every saved activation + the logits' two gradients
+    (T x V float32 each: log_softmax's output grad and the logits' grad)."""
+    config, args, dims = _dims(1, [])
+    mem = memory_per_rank(args, dims, seq_len=32, batch_size=8, global_rank=0)
+    tokens, vocab = 8 * 32, args.vocab_size
+    assert mem.total == mem.params + mem.optimizer + mem.activations + 2 * tokens * vocab * 4

@@ -8,10 +8,10 @@
   after training); activations within 10% of the peak of live saved tensors, measured with
   torch.autograd.graph.saved_tensors_hooks around each training forward/backward (unique
   storages, parameters and their views left out; a storage counts from its first pack until
-  its last unpack). Not compared: layouts with activation checkpointing (the checkpoint's own
-  hooks take over inside a block, so the outer hooks cannot see what it holds), the FSDP
-  unsharded groups and communication buffers (no saved tensor holds them: the planner's figures
-  for them are formulas, see plait.plan.memory).
+  its last unpack). Not compared here: layouts with activation checkpointing (the checkpoint's
+  own hooks take over inside a block, so the outer hooks cannot see what it holds), the FSDP
+  unsharded groups and communication buffers (no saved tensor holds them); test_live.py compares
+  the whole peak, these included, with plait.train.live_bytes.
 """
 
 from __future__ import annotations
