@@ -8,8 +8,8 @@ reuses (AOT autograd, the functionalization passes, the trace rules): measured 1
 for the first aot_eager compile of a 4x4 matmul in a fresh process against 0.1 s for the
 next. Without the warm-up every rank of every pool that runs a compile test pays it. The
 invariant: the warm-up leaves nothing a test can see. Dynamo is reset and its counters
-cleared after it, it runs no backward on a build with CUDA (autograd's device threads do
-not survive a fork), and it runs on one thread (as every rank does) so that no OpenMP pool is
+cleared after it, on a build with CUDA it traces no backward (autograd's device threads
+do not survive a fork), and it runs on one thread (as every rank does) so that no OpenMP pool is
 started before the fork. A warm-up that fails is reported on stderr and the ranks compile
 cold: a broken torch.compile then fails the compile tests (and tests/testing's warm-up
 test), not every multi-rank test.
@@ -33,14 +33,16 @@ def _warm_dynamo() -> None:
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ w).sum()
 
-    x = torch.randn(4, 4, device="cpu", requires_grad=True)  # the ranks run Gloo on CPU
-    w = torch.randn(4, 4, device="cpu", requires_grad=True)
+    # On a build with CUDA, tracing a backward (AOT autograd runs torch.autograd.grad on the
+    # traced forward, even before any .backward()) starts autograd's device threads, and every
+    # forked rank then refuses its first backward ("Unable to handle autograd's threading in
+    # combination with fork-based multiprocessing", seen on an H200). There the warm-up compiles
+    # an inference graph only: Dynamo's own start-up is still paid once, AOT autograd's is not.
+    grad = not torch.cuda.is_built()
+    x = torch.randn(4, 4, device="cpu", requires_grad=grad)  # the ranks run Gloo on CPU
+    w = torch.randn(4, 4, device="cpu", requires_grad=grad)
     loss = torch.compile(block, backend="aot_eager", fullgraph=True)(x, w)
-    # A backward in this process would start autograd's device threads on a build with CUDA,
-    # and every forked rank would then refuse its first backward ("Unable to handle autograd's
-    # threading in combination with fork-based multiprocessing", seen on an H200): there the
-    # warm-up stops at the forward (the joint graph is traced; only the backward's compile is left).
-    if not torch.cuda.is_built():
+    if grad:
         loss.backward()
     torch._dynamo.reset()
     counters.clear()
