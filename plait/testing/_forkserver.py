@@ -38,7 +38,7 @@ def _warm_dynamo() -> None:
     # forked rank then refuses its first backward ("Unable to handle autograd's threading in
     # combination with fork-based multiprocessing", seen on an H200). There the warm-up compiles
     # an inference graph only: Dynamo's own start-up is still paid once, AOT autograd's is not.
-    grad = not torch.cuda.is_built()
+    grad = not torch.backends.cuda.is_built()
     x = torch.randn(4, 4, device="cpu", requires_grad=grad)  # the ranks run Gloo on CPU
     w = torch.randn(4, 4, device="cpu", requires_grad=grad)
     loss = torch.compile(block, backend="aot_eager", fullgraph=True)(x, w)
