@@ -8,7 +8,7 @@ reuses (AOT autograd, the functionalization passes, the trace rules): measured 1
 for the first aot_eager compile of a 4x4 matmul in a fresh process against 0.1 s for the
 next. Without the warm-up every rank of every pool that runs a compile test pays it. The
 invariant: the warm-up leaves nothing a test can see. Dynamo is reset and its counters
-cleared after it, on a build with CUDA it traces no backward (autograd's device threads
+cleared after it, it is skipped on a build with CUDA (CUDA and autograd's device threads
 do not survive a fork), and it runs on one thread (as every rank does) so that no OpenMP pool is
 started before the fork. A warm-up that fails is reported on stderr and the ranks compile
 cold: a broken torch.compile then fails the compile tests (and tests/testing's warm-up
@@ -33,24 +33,22 @@ def _warm_dynamo() -> None:
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ w).sum()
 
-    # On a build with CUDA, tracing a backward (AOT autograd runs torch.autograd.grad on the
-    # traced forward, even before any .backward()) starts autograd's device threads, and every
-    # forked rank then refuses its first backward ("Unable to handle autograd's threading in
-    # combination with fork-based multiprocessing", seen on an H200). There the warm-up compiles
-    # an inference graph only: Dynamo's own start-up is still paid once, AOT autograd's is not.
-    grad = not torch.backends.cuda.is_built()
-    x = torch.randn(4, 4, device="cpu", requires_grad=grad)  # the ranks run Gloo on CPU
-    w = torch.randn(4, 4, device="cpu", requires_grad=grad)
-    loss = torch.compile(block, backend="aot_eager", fullgraph=True)(x, w)
-    if grad:
-        loss.backward()
+    x = torch.randn(4, 4, device="cpu", requires_grad=True)  # the ranks run Gloo on CPU
+    w = torch.randn(4, 4, device="cpu", requires_grad=True)
+    torch.compile(block, backend="aot_eager", fullgraph=True)(x, w).backward()
     torch._dynamo.reset()
     counters.clear()
 
 
 torch.set_num_threads(1)
-try:
-    _warm_dynamo()
-except Exception as e:  # noqa: BLE001 - a speed-up only: a broken compile fails the compile tests, not every test
-    print(f"plait.testing: Dynamo warm-up in the forkserver failed ({type(e).__name__}: {e}); "
-          "ranks will compile cold", file=sys.stderr)
+# Not on a build with CUDA (seen on an H200): AOT autograd's joint tracing starts autograd's
+# device threads, and even an inference compile initialises CUDA in this process; a forked rank
+# then refuses its first backward ("Unable to handle autograd's threading in combination with
+# fork-based multiprocessing") or its first compile ("Cannot re-initialize CUDA in forked
+# subprocess"). There ranks compile cold, as they did before the warm-up.
+if not torch.backends.cuda.is_built():
+    try:
+        _warm_dynamo()
+    except Exception as e:  # noqa: BLE001 - a speed-up only: a broken compile fails the compile tests, not every test
+        print(f"plait.testing: Dynamo warm-up in the forkserver failed ({type(e).__name__}: {e}); "
+              "ranks will compile cold", file=sys.stderr)

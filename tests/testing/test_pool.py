@@ -70,8 +70,8 @@ def test_results_per_rank_and_the_pool_is_reused(capsys):
     assert "[rank 2] hello" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="on a build with CUDA the forkserver warms an "
-                    "inference graph only (autograd's device threads do not survive a fork)")
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="on a build with CUDA the forkserver does not warm "
+                    "Dynamo (CUDA and autograd's device threads do not survive a fork)")
 def test_a_fresh_rank_compiles_without_importing_anything():
     """The forkserver ran Dynamo once before forking (plait/testing/_forkserver.py), so a
     rank's first torch.compile finds every module it needs already imported."""
