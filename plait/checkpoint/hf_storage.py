@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from plait.checkpoint.commit import _fsync_dir as _fsync  # opens read-only: a file or a directory
 from plait.checkpoint.hf_shards import (
     SHARD_FILE,
     header,
@@ -250,10 +251,3 @@ class HuggingFaceStorageWriter(StorageWriter):
         if self.sync_files:  # the index's rename (the layout's commit) is durable too
             _fsync(self.path)
 
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
