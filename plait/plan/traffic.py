@@ -18,7 +18,8 @@ train runs):
     all-reduce of the 4S shard over dp_replicate.
   DDP (dp_replicate > 1, dp_shard = 1): one all-reduce of the stage's local grads (pp > 1: per
     stage; pp = 1: per bucket, 1 MiB first then 25 MiB; the sum is exact when dp_replicate
-    divides 2 * bytes), and pp = 1 a broadcast of the rotary buffer from rank 0 every forward.
+    divides 2 * bytes). No buffer broadcast: torch's replicate (which plait train uses) syncs no
+    buffers, and the rotary table is the same on every rank anyway.
   TP+SP, per microbatch, X = (t-1) * mb * s/t * d * 4: per block forward 2 all-gathers and 2
     reduce-scatters, backward the same; a recomputed block (AC) 2 all-gathers and 1
     reduce-scatter more (the recompute stops after the last saved tensor: w2's reduce-scatter
@@ -111,8 +112,6 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
             else:
                 for bucket in _ddp_buckets([p.numel * f4 for p in reversed(params)]):
                     add(("dp_replicate",), all_reduce(R, bucket))
-                if c["dp_replicate"] == 0:  # the rotary table, broadcast from replicate rank 0
-                    add(("dp_replicate",), args.max_seq_len * args.head_dim * f4)
         # tensor (and sequence) parallel, per microbatch
         if t > 1:
             tok = mb * s

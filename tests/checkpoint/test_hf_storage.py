@@ -193,15 +193,31 @@ def test_save_distributed_writes_torchs_shard_files_each_reads_the_others(tmp_pa
         assert all(torch.equal(theirs[k], v) for k, v in ref.items()), src
 
 
+def _meets_another_thread(names: set[str], lock, barrier) -> None:
+    """Record this thread's name; the first two plait-hf threads wait for each other, so two
+    threads are proven to work at once however the machine schedules them (a single-threaded
+    implementation breaks the barrier after its timeout and fails the test)."""
+    import threading
+
+    name = threading.current_thread().name
+    with lock:
+        first = name not in names
+        names.add(name)
+        wait = first and name.startswith("plait-hf") and sum(n.startswith("plait-hf") for n in names) <= 2
+    if wait:
+        barrier.wait()
+
+
 def test_thread_count_writes_files_on_threads_and_the_same_bytes(tmp_path, monkeypatch):
     import threading
 
     ref = model_ref()
     writers: set[str] = set()
+    lock, barrier = threading.Lock(), threading.Barrier(2, timeout=120)
     pwrite = os.pwrite
 
     def spy(fd, data, offset):
-        writers.add(threading.current_thread().name)
+        _meets_another_thread(writers, lock, barrier)
         return pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", spy)
@@ -228,10 +244,11 @@ def test_reader_thread_count_reads_files_on_threads(tmp_path):
     ref = model_ref()
     dcp.save(ref, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path), max_shard_size=200))
     readers: set[str] = set()
+    lock, barrier = threading.Lock(), threading.Barrier(2, timeout=120)
 
     class Recording(dcp.DefaultLoadPlanner):
         def resolve_tensor(self, read_item):
-            readers.add(threading.current_thread().name)
+            _meets_another_thread(readers, lock, barrier)
             return super().resolve_tensor(read_item)
 
     back = {k: torch.zeros_like(v) for k, v in ref.items()}
