@@ -84,12 +84,28 @@ def descendants(pid: int) -> list[int]:
 
 def stacks_of(pids: list[int], stacks: Path) -> str:
     """Every thread's Python stack of each process in `pids` (stackdump/sitecustomize.py)."""
+    def size(pid: int) -> int:
+        try:
+            return (stacks / f"{pid}.txt").stat().st_size
+        except OSError:
+            return -1
+
+    before = {pid: size(pid) for pid in pids}
     for pid in pids:
         try:
             os.kill(pid, signal.SIGUSR2)
         except ProcessLookupError:
             pass
-    time.sleep(1.0)  # faulthandler writes from the signal handler of each process
+    # faulthandler writes from each process's signal handler, once that process is scheduled: on
+    # a loaded machine that is not within a fixed second. Wait until every file that exists has
+    # grown and then stayed the same size for 0.3 s (bounded; a process that has exited writes nothing).
+    deadline, last = time.monotonic() + 15.0, {}
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = {pid: size(pid) for pid in pids}
+        if all(now[p] < 0 or not pid_alive(p) or (now[p] > before[p] and now[p] == last.get(p)) for p in pids):
+            break
+        last = now
     parts = []
     for pid in pids:
         path = stacks / f"{pid}.txt"
