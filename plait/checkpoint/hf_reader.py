@@ -32,10 +32,10 @@ from plait.checkpoint.planner_api import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from plait.checkpoint.storage_api import StorageReader, done
+from plait.checkpoint.storage_api import PlansAsGiven, StorageReader, done
 
 
-class HuggingFaceStorageReader(StorageReader):
+class HuggingFaceStorageReader(PlansAsGiven, StorageReader):
     """torch's HuggingFaceStorageReader: reads model-*.safetensors (+ the index, if any), or
     torch's shard files; thread_count: files read by that many threads at once."""
 
@@ -87,15 +87,6 @@ class HuggingFaceStorageReader(StorageReader):
             extra = sorted(set(weight_map) ^ set(md))
             raise ValueError(f"{index} and the files' headers disagree on {len(extra)} tensor(s), e.g. {extra[0]!r}")
         return Metadata(state_dict_metadata=md, storage_data=where)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.metadata = metadata
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         per_file: dict[str, list] = {}  # file -> its reads: one thread's work (torch's split)

@@ -57,6 +57,7 @@ from plait.checkpoint.planner_api import (
 )
 from plait.checkpoint.safetensors_io import check_file, read_chunk, write_file
 from plait.checkpoint.storage_api import (  # torch's import path
+    PlansAsGiven,
     StorageReader,
     StorageWriter,
     WriteResult,
@@ -207,7 +208,7 @@ class FileSystemWriter(StorageWriter):
                                        fragments=fragments)
 
 
-class FileSystemReader(StorageReader):
+class FileSystemReader(PlansAsGiven, StorageReader):
     """Reads a checkpoint directory written by FileSystemWriter (torch's FileSystemReader)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -242,15 +243,6 @@ class FileSystemReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.metadata = metadata
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         try:

@@ -116,6 +116,21 @@ class StorageReader(abc.ABC):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool: ...
 
 
+class PlansAsGiven:
+    """The reader half of torch's protocol for a reader that keeps the metadata it is given and
+    changes no plan (plait's FileSystemReader and HuggingFaceStorageReader): list it before
+    StorageReader among the bases."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+
 def done(value: Any) -> Future:
     """A completed torch Future holding `value` (what a synchronous write_data returns)."""
     fut: Future = Future()
