@@ -11,8 +11,8 @@ open them with `safetensors.safe_open`), written here rather than with
 `safetensors.torch.save_file` because that copies every tensor to a bytes object first
 (one extra copy of the rank's state in memory), refuses tensors that share storage (tied
 weights), and does not tell the byte range of each tensor, which the metadata records.
-The checksums (each chunk's, the header's) are computed from the tensors' memory, not read
-back from the file, and while the file's fsync waits on the disk.
+The checksums (each chunk's, the header's) are computed on the bytes as they are written,
+so they cost one read of memory and no read of the file.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 import zlib
 from collections.abc import Sequence
 
@@ -63,45 +62,19 @@ def write_file(path: str, tensors: Sequence[tuple[str, torch.Tensor]], *, sync: 
     out.file_meta = FileMeta(size=base + offset, header_nbytes=base, header_crc32=zlib.crc32(head))
     with open(path, "wb") as f:
         f.write(head)
-        for _, t, n in cpu:
-            view = _bytes_of(t) if n else None
-            for start in range(0, n, _BLOCK):
-                f.write(view[start:start + _BLOCK])
-        f.flush()
-        # the checksums read the tensors' memory, not the file: computed while the disk
-        # syncs (both release the GIL), the fsync's wait hides them
-        syncing = _Fsync(f.fileno()) if sync else None
-        try:
-            for name, t, n in cpu:
-                crc = 0
-                view = _bytes_of(t) if n else None
+        for name, t, n in cpu:
+            crc = 0
+            if n:
+                view = _bytes_of(t)
                 for start in range(0, n, _BLOCK):
-                    crc = zlib.crc32(view[start:start + _BLOCK], crc)
-                out.append((name, base + header[name]["data_offsets"][0], n, crc))
-        finally:
-            if syncing is not None:
-                syncing.join()
+                    block = view[start:start + _BLOCK]
+                    crc = zlib.crc32(block, crc)
+                    f.write(block)
+            out.append((name, base + header[name]["data_offsets"][0], n, crc))
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
     return out
-
-
-class _Fsync(threading.Thread):
-    """os.fsync(fd) on its own thread; join() raises what it raised."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__(name="plait-ckpt-fsync")
-        self.fd, self.error = fd, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            os.fsync(self.fd)
-        except OSError as e:
-            self.error = e
-
-    def join(self, timeout: float | None = None) -> None:
-        super().join(timeout)
-        if self.error is not None:
-            raise self.error
 
 
 class ChunkError(CorruptCheckpointError):
