@@ -52,8 +52,9 @@ def test_readme_examples_run_under_plait_run(tmp_path):
     assert not failures, "\n".join(f"--- README example {n!r} failed:\n{o[-3000:]}" for n, o in failures.items())
 
 
-def _run(jobs: dict, tmp_path: Path) -> dict[str, str]:
-    """One `plait run` per rank count, one after another, each running its examples in order
+def _run(jobs: dict, tmp_path: Path, launcher: str = "plait.run") -> dict[str, str]:
+    """One launch per rank count (`python -m launcher`: plait.run, or torch.distributed.run as
+    tests/comm/test_exit.py runs it), one after another, each running its examples in order
     through tests/readme_driver.py (one fork per example); return the output of each example
     that did not exit 0 on every rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -65,7 +66,7 @@ def _run(jobs: dict, tmp_path: Path) -> dict[str, str]:
     for ranks, names in sorted(by_ranks.items(), reverse=True):
         try:
             out = subprocess.run(
-                [sys.executable, "-m", "plait.run", "--standalone", "--nproc-per-node", str(ranks), str(DRIVER),
+                [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", str(ranks), str(DRIVER),
                  *(f"{n}.py" for n in names)],
                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240).stdout
         except subprocess.TimeoutExpired as e:
