@@ -20,6 +20,7 @@ import itertools
 
 import torch
 
+from plait.tensor import foreach_meshes as by_mesh
 from plait.tensor import redistribute as redist
 from plait.tensor.dtensor import _NO_KWARGS, _STRIDED, DTensor, _make_wrapper, wrap
 from plait.tensor.ops.registry import FLOAT_VALUE_FREE
@@ -59,7 +60,12 @@ def torch_dispatch(cls, op, types, args: tuple = (), kwargs: dict | None = None)
             for k, v in kwargs.items():
                 append(k)
                 append(float if free and type(v) is float else _key(op, v, dts))
-    except _PlainTensor:  # under implicit_replication(): plain tensors become Replicate DTensors
+    except _PlainTensor:  # a _foreach_ op's lists mix kinds, or under implicit_replication()
+        groups = by_mesh.split(args, kwargs) if by_mesh.is_foreach(op) else {}
+        if len(groups) > 1:  # some indices hold plain tensors only: they run as plain tensors
+            return by_mesh.ByMeshPlan(op).run(args, kwargs, dts, groups)
+        if not _allow_implicit_replication:
+            raise _mixed(op, _first_plain(args, kwargs)) from None
         return dispatch(op, *_replicate_plain(args, kwargs))
     key_t = tuple(key)
     try:
@@ -126,19 +132,29 @@ def _key(op, a, dts: list):
     if t is list or t is tuple:
         return tuple(_key(op, e, dts) for e in a)
     if isinstance(a, _Tensor):
-        if a.dim() != 0:  # ValueError: a TypeError would turn into NotImplemented for x + t
-            if _allow_implicit_replication:
+        if a.dim() != 0:
+            if _allow_implicit_replication or by_mesh.is_foreach(op):
                 raise _PlainTensor
-            raise ValueError(
-                f"{op}: got a torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; convert it "
-                "with DTensor.from_local or distribute_tensor first (only 0-dim tensors mix), or "
-                "run the op under plait.tensor.experimental.implicit_replication()")
+            raise _mixed(op, a)
         return (_Tensor, a.dtype, a.device)
     return a
 
 
 class _PlainTensor(Exception):
-    """A plain tensor of dim > 0 met while keying a call under implicit replication."""
+    """A plain tensor of dim > 0 met while keying a call under implicit replication, or in a
+    _foreach_ op's lists (foreach_meshes: indices that hold plain tensors only run as such)."""
+
+
+def _mixed(op, a: torch.Tensor) -> ValueError:  # a TypeError would turn into NotImplemented for x + t
+    return ValueError(
+        f"{op}: got a torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; convert it "
+        "with DTensor.from_local or distribute_tensor first (only 0-dim tensors mix), or "
+        "run the op under plait.tensor.experimental.implicit_replication()")
+
+
+def _first_plain(args: tuple, kwargs: dict) -> torch.Tensor:
+    return next(e for a in (*args, *kwargs.values()) for e in (a if type(a) in (list, tuple) else (a,))
+                if type(e) is not DTensor and isinstance(e, _Tensor) and e.dim() != 0)
 
 
 def _replicate_plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
