@@ -99,11 +99,11 @@ class DistributedDataParallel(nn.Module):
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         callback = get_eval_frame_callback()  # a C call: no frame for dynamo to trace
-        inputs, kwargs = self._state.pre_forward(inputs, kwargs)
+        inputs, kwargs = self._state.pre_forward(self.module, inputs, kwargs)
         run = self._state.compile.compiled_for(self.module, callback) if callback else None
         if run is None:
             run = self.module
-        return self._state.post_forward(run(*inputs, **kwargs))
+        return self._state.post_forward(self.module, inputs, run(*inputs, **kwargs))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
