@@ -370,7 +370,8 @@ class Reducer:
             self._extra_work.clear()
             for bucket in self.buckets:
                 self._write_grads(bucket, skip)
-            if self._recording and len(self._order) == len(self.params):
+            recording = not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)
+            if recording and len(self._order) == len(self.params):  # _recording, inlined: every step
                 self._rebuild_pending = True
         finally:
             self.phase = Phase.IDLE

@@ -195,17 +195,17 @@ def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     each module and buffer once), walked with a stack: one Python call, not the ~5 per module
     of nn.Module's nested generators. Per forward (buffers are broadcast every step)."""
     out: list[tuple[str, torch.Tensor]] = []
-    seen_modules: set[nn.Module] = set()
-    seen: set[torch.Tensor] = set()
+    seen_modules: set[int] = set()  # ids: Module and Tensor hash in Python (a frame each)
+    seen: set[int] = set()
     stack = [("", module)]
     while stack:
         prefix, m = stack.pop()
-        if m in seen_modules:
+        if id(m) in seen_modules:
             continue
-        seen_modules.add(m)
+        seen_modules.add(id(m))
         for name, b in m._buffers.items():
-            if b is not None and b not in seen:
-                seen.add(b)
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
                 out.append((prefix + name, b))
         children = []
         for name, child in m._modules.items():
