@@ -5,10 +5,10 @@
                       mark the parameters this forward did not use
     grad of param i   post-accumulate hooks, two C calls and no Python frame: the param is
                       appended to `_arrived`, a countdown ticks -> at zero (the gradient
-                      that can complete the next bucket) _take_in(): each arrived
-                      grad * (1/N) into its bucket view -> every complete bucket, in index
-                      order, launches its async all-reduce (or the comm hook's future)
-                      while backward goes on -> the countdown is set again
+                      that can complete the next bucket) _take_in(): each arrived grad
+                      into its bucket view -> every complete bucket, in index order, is
+                      scaled by 1/N and launches its async all-reduce (or the comm hook's
+                      future, on the sum) while backward goes on -> the countdown is set again
     end of backward   finalize(): mark what never came, wait buckets in order, write the
                       averaged .grads (copies, or the .grads already are the views) -> IDLE
     next forward      buckets rebuilt once, in the order gradients became ready
@@ -273,22 +273,23 @@ class Reducer:
         self._fill((i,), zero=not (self._used_since_sync[i] and self.params[i].grad is not None))
 
     def _scale(self) -> float:
-        """1 / the number of ranks whose gradients are summed (join: the notice's count)."""
+        """1 / the number of ranks whose gradients are summed (join: the notice's count, waited
+        when the first bucket launches)."""
         if self._divisor is None:
             assert self._divisor_work is not None, "the divisor is the group's size unless join counts"
             self._divisor = float(self._divisor_work.wait().item())
         return 1.0 / self._divisor
 
     def _fill(self, indices: Iterable[int], zero: bool = False) -> None:
-        """Parameters' gradients (or zeros) into their buckets, each complete bucket launched
-        as soon as it is, in index order. One frame for many gradients: the loop is the host
-        cost of backward, so it calls no Python helper on the plain-tensor path."""
+        """Parameters' gradients (or zeros) into their buckets, each complete bucket scaled by
+        1/N and launched as soon as it is, in index order. One frame for many gradients: the
+        loop is the host cost of backward, so it calls no Python helper on the plain-tensor
+        path, and plain gradients are copied by one foreach op before a launch, not one op each."""
         ready, where, buckets, params, views_are_grads = (
             self._ready, self._where, self.buckets, self.params, self.gradient_as_bucket_view)
         record = not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)  # _recording
-        scale = 1.0
-        if not zero and self._hook is None:
-            scale = 1.0 / self._divisor if self._divisor is not None else self._scale()
+        copy_to: list[torch.Tensor] = []
+        copy_from: list[torch.Tensor] = []
         for i in indices:
             if ready[i]:
                 raise RuntimeError(twice_message(self.fqns[i]))
@@ -301,25 +302,32 @@ class Reducer:
             else:
                 self._local_used[i] = 1
                 param = params[i]
-                # DTensor parameters: the local shard, in the param's placements
-                grad = local_grad(param) if isinstance(param, DTensor) else param.grad
-                if views_are_grads:
-                    if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+                if views_are_grads or isinstance(param, DTensor):
+                    # DTensor parameters: the local shard, in the param's placements
+                    grad = local_grad(param) if isinstance(param, DTensor) else param.grad
+                    if not views_are_grads:
+                        view.copy_(grad)
+                    elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
                         view.copy_(grad)
                         param.grad = as_grad(param, view) if isinstance(param, DTensor) else view
-                    if scale != 1.0:
-                        view.mul_(scale)
-                elif scale != 1.0:
-                    torch.mul(grad, scale, out=view)
                 else:
-                    view.copy_(grad)
+                    copy_to.append(view)
+                    copy_from.append(param.grad)
             if record:
                 self._order.append(i)
             bucket.pending -= 1
             while self._next < len(buckets) and buckets[self._next].pending == 0:
+                if copy_to:
+                    torch._foreach_copy_(copy_to, copy_from)
+                    copy_to.clear()
+                    copy_from.clear()
                 nxt = buckets[self._next]
+                if self._hook is None:  # a comm hook gets the sum (torch's contract), the default 1/N of it
+                    nxt.buffer.mul_(1.0 / self._divisor if self._divisor is not None else self._scale())
                 nxt.work = self._launch(nxt, nxt.buffer)
                 self._next += 1
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
 
     def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> object:
         if self._hook is None:
@@ -396,6 +404,8 @@ class Reducer:
                 result = result[0]
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
+        copy_to: list[torch.Tensor] = []  # the .grads that exist take the averages in one foreach op
+        copy_from: list[torch.Tensor] = []
         for k, i in enumerate(bucket.param_indices):
             if i in skip:
                 continue
@@ -407,7 +417,10 @@ class Reducer:
                 param.grad = as_grad(param, view.clone())
             else:  # local(), inlined: once per parameter per step
                 grad = param.grad
-                (grad._local_tensor if isinstance(grad, DTensor) else grad).copy_(view)
+                copy_to.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
+                copy_from.append(view)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
 
     # -- join ----------------------------------------------------------------------------
 
