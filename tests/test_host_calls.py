@@ -28,8 +28,9 @@ FLOOR = 400  # forward + backward + AdamW of a 2-layer Llama alone makes more ca
 
 # measured (the max over the two ranks) -> bound, about +10%
 BOUNDS = {
-    "DDP": 620,  # 564 (595 before the gradient hooks became C calls and a countdown, a Python
-    #              frame per bucket; 1064 before the buffer walk and the one-call gradient hook)
+    "DDP": 612,  # 556 (595 before the gradient hooks became C calls and a countdown, a Python
+    #              frame per bucket, and eager pre/post_forward without the dynamo-disable wrapper;
+    #              1064 before the buffer walk and the one-call gradient hook)
     "replicate": 546,  # 496 (527 before the same; no buffer broadcast: torch's replicate syncs
     #                    parameters only)
     "FSDP2": 1795,  # 1630 (2934 before the one-frame DTensor dispatch and the engine's inline loops)

@@ -135,6 +135,11 @@ class ReplicaState(Joinable):
             self.require_forward_param_sync = False
         return output
 
+    # The two above without their disable wrapper (4 frames a call), for DDP.forward when it
+    # knows no compile callback is active; `replicate`'s module hooks cannot know, so keep it.
+    _pre_forward = pre_forward.__wrapped__
+    _post_forward = post_forward.__wrapped__
+
     def will_sync_module_buffers(self) -> bool:
         # torch's rule: whether the module had buffers when wrapped (sync_buffers looks them up again)
         return self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers
