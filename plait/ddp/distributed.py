@@ -99,11 +99,15 @@ class DistributedDataParallel(nn.Module):
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         callback = get_eval_frame_callback()  # a C call: no frame for dynamo to trace
-        inputs, kwargs = self._state.pre_forward(inputs, kwargs)
-        run = self._state.compile.compiled_for(self.module, callback) if callback else None
+        module, state = self.module, self._state  # nn.Module.__getattr__ is a frame: once
+        if not callback:  # eager: no frame of this thread goes to dynamo, so no disable wrapper
+            inputs, kwargs = state._pre_forward(module, inputs, kwargs)
+            return state._post_forward(module, inputs, module(*inputs, **kwargs))
+        inputs, kwargs = state.pre_forward(module, inputs, kwargs)
+        run = state.compile.compiled_for(module, callback)
         if run is None:
-            run = self.module
-        return self._state.post_forward(run(*inputs, **kwargs))
+            run = module
+        return state.post_forward(module, inputs, run(*inputs, **kwargs))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

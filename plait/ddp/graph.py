@@ -22,18 +22,21 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-def watch_outputs(output: object, on_start: Callable[[], None]) -> list[torch.Tensor]:
-    """Call `on_start()` when a backward first reaches a tensor of `output` (any pytree).
+def watch_outputs(output: object, on_start: Callable[[object], None]) -> list[torch.Tensor]:
+    """Call `on_start(grad_outputs)` when a backward reaches a tensor of `output` (any pytree):
+    a node pre-hook itself (no wrapper frame per backward), so it must return None.
 
     Returns those tensors (the roots a parameter must be reachable from to count as
     used): the ones with a grad_fn.
     """
-    if isinstance(output, torch.Tensor):  # the common case, without pytree's calls (every forward)
-        roots = [output] if output.grad_fn is not None else []
-    else:
-        roots = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if isinstance(output, torch.Tensor):  # the common case, without pytree's or a set's frames (every forward)
+        if output.grad_fn is None:
+            return []
+        output.grad_fn.register_prehook(on_start)
+        return [output]
+    roots = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     for node in {t.grad_fn for t in roots}:
-        node.register_prehook(lambda grad_outputs: on_start())
+        node.register_prehook(on_start)
     return roots
 
 
@@ -63,11 +66,6 @@ def reachable_params(roots: Iterable[torch.Tensor], index_of: dict[int, int]) ->
             if nxt is not None and nxt not in seen:
                 stack.append(nxt)
     return found
-
-
-def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run `callback` when the current backward's graph task finishes."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def unused_message(names: list[str], rank: int, static_graph: bool) -> str:

@@ -3,15 +3,25 @@
     synced forward    prepare_for_backward(roots): IDLE -> PREPARED, iteration state reset
     backward starts   outputs' pre-hook -> begin_backward(): PREPARED -> BACKWARD, queue finalize,
                       mark the parameters this forward did not use
-    grad of param i   post-accumulate hook -> mark_ready(i): grad * (1/N) into its bucket
-                      view -> every complete bucket, in index order, launches its async
-                      all-reduce (or the comm hook's future) while backward goes on
+    grad of param i   post-accumulate hooks, two C calls and no Python frame: the param is
+                      appended to `_arrived`, a countdown ticks -> at zero (the gradient
+                      that can complete the next bucket) _take_in(): each arrived grad
+                      into its bucket view -> every complete bucket, in index order, is
+                      scaled by 1/N and launches its async all-reduce (or the comm hook's
+                      future, on the sum) while backward goes on -> the countdown is set again
     end of backward   finalize(): mark what never came, wait buckets in order, write the
                       averaged .grads (copies, or the .grads already are the views) -> IDLE
     next forward      buckets rebuilt once, in the order gradients became ready
 
 DTensor parameters (tensor parallel inside data parallel) are reduced on their local
 shards; see shards.py.
+
+The countdown is what keeps backward's host cost at torch's (whose reducer hooks are C++): a
+Python frame per bucket, not per gradient. It counts gradients until the next bucket in launch
+order could be complete (its pending count); the frame then takes in everything that arrived, in
+arrival order, exactly as a per-gradient hook would have, and launches what is complete. Where a
+gradient must be seen as it comes (PREPARED: the first one begins the backward; DTensor
+parameters, whose local_grad may issue a tensor-parallel collective), the countdown is 1.
 
 In IDLE (no_sync, eval, a second backward) hooks only note use; gradients accumulate in
 `.grad` and the next synced backward reduces the sum. An iteration in which a parameter
@@ -23,16 +33,20 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable, Sequence
+import itertools
+import operator
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
 from plait import comm
 from plait.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, move_grad_views
-from plait.ddp.graph import queue_end_of_backward, reachable_params, twice_message, unused_message
+from plait.ddp.graph import reachable_params, twice_message, unused_message
 from plait.ddp.shards import as_grad, local, local_grad
 from plait.tensor import DTensor
+
+_NOOP = [].clear  # a C callable returning None: a countdown tick that runs no Python
 
 
 class Phase(enum.Enum):
@@ -74,8 +88,17 @@ class Reducer:
         self._extra_work: list = []  # handles issued for this iteration, waited at finalize
         self._set_buckets(assign_buckets(self.params, list(reversed(range(n))), self.caps))
         self._reset_iteration()
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))  # i, then the param
+        # The gradient hooks (see the module docstring): `_arrived.append(param)`, then a tick:
+        # next() pops a callable off `_countdown` and calls it, a no-op but for the bottom one,
+        # `_take_in`, which sets the countdown again. All C until the count runs out.
+        self._per_gradient = any(isinstance(p, DTensor) for p in self.params)
+        self._arrived: list[torch.Tensor] = []
+        self._countdown: list[Callable[[], None]] = []
+        self._arm()
+        tick = functools.partial(next, map(operator.call, iter(self._countdown.pop, None)))
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._arrived.append)
+            p.register_post_accumulate_grad_hook(tick)  # (param) -> next(ticks, param) -> None
 
     # -- buckets ------------------------------------------------------------------------
 
@@ -124,6 +147,7 @@ class Reducer:
         self._extra_work.append(handle)
         if divisor:
             self._divisor_work = handle
+            self._divisor = None  # known once the notice's count is (_scale)
 
     # -- one iteration -----------------------------------------------------------------
 
@@ -138,7 +162,9 @@ class Reducer:
                 f"(the backward raised or was interrupted); parameters still waiting: {missing}"
             )
         if not sync:
+            self._take_in()  # what came in the last phase, as that phase saw it
             self.phase = Phase.IDLE
+            self._arm()
 
     def _reset_iteration(self) -> None:
         n = len(self.params)
@@ -146,15 +172,18 @@ class Reducer:
         self._local_used = [0] * n  # 1: this rank's gradient goes into the sum
         self._reachable: set[int] = set()  # find_unused_parameters: used by this iteration's forwards
         self._next = 0  # the next bucket to launch
-        self._divisor: float | None = None
+        # the gradients' divisor: the group's size, or (join) the count a notice brings, waited lazily
+        self._divisor: float | None = None if self._divisor_work is not None else float(self.world_size)
         self._fire_order: list[int] = []  # static graph, first iteration
         self._counts = [0] * n if self._static_counts is None else list(self._static_counts)
-        if self._recording:
+        if not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters):  # _recording
             self._order = []
         for bucket in self.buckets:
             bucket.pending, bucket.work = len(bucket.params), None
 
     def prepare_for_backward(self, roots: Sequence[torch.Tensor]) -> None:
+        if self._arrived:
+            self._take_in()  # gradients of the phase before (no_sync's) are that phase's
         if self.phase is Phase.IDLE:
             self._reset_iteration()
         if self.find_unused_parameters and roots:  # several forwards before one backward: the union
@@ -162,95 +191,143 @@ class Reducer:
         elif self.find_unused_parameters:  # an output pytree cannot see into: find them at the end
             self._reachable = set(range(len(self.params)))
         self.phase = Phase.PREPARED
+        if len(self._countdown) != 1:  # a gradient before the outputs' pre-hook begins the backward
+            self._arm()
 
-    def begin_backward(self) -> None:
+    def begin_backward(self, _grad_outputs: object = None) -> None:
+        """PREPARED -> BACKWARD (the outputs' node pre-hook, or the first gradient)."""
         if self.phase is not Phase.PREPARED:
             return  # another output's pre-hook, or a backward with nothing to reduce
         self.phase = Phase.BACKWARD
-        queue_end_of_backward(self._finalize)
+        # on the graph task of the backward that reached the outputs (graph.py: why not a hook's)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if self.find_unused_parameters:
             for i in range(len(self.params)):
                 if i not in self._reachable:
                     self._mark_absent(i)
         elif self._static_counts is not None:
-            for i in self._static_unused:
-                self._mark_ready(i, zero=True)
+            self._fill(self._static_unused, zero=True)
+        self._arm()
 
-    def _hook_reaches_ready(self, i: int) -> bool:
-        """The gradient hook outside a plain backward: whether parameter `i` is ready now."""
+    # -- gradients coming in -------------------------------------------------------------
+
+    def _arm(self) -> None:
+        """Run `_take_in` at the gradient that can first complete the next bucket (its pending
+        count from now); at every gradient where each must be seen as it comes; in IDLE, once
+        a backward's worth has come (noting use waits: every phase change takes in first)."""
+        if self.phase is Phase.BACKWARD:
+            per_gradient = self._per_gradient or self._next >= len(self.buckets)
+            count = 1 if per_gradient else self.buckets[self._next].pending
+        else:
+            count = len(self.params) if self.phase is Phase.IDLE else 1
+        countdown = self._countdown
+        countdown.clear()
+        countdown.append(self._take_in)
+        countdown.extend(itertools.repeat(_NOOP, count - 1))
+
+    def _take_in(self) -> None:
+        """The gradients that arrived since the last call, in arrival order, as a per-gradient
+        hook would have seen each; then the countdown to the next call."""
+        arrived = self._arrived
+        if not arrived:  # a phase change with nothing new (the countdown itself always brings one)
+            if not self._countdown:
+                self._arm()
+            return
+        try:
+            params = arrived[:]
+            arrived.clear()
+            index = map(self._index_of.__getitem__, map(id, params))
+            if self.phase is Phase.BACKWARD and not self.static_graph:  # the common path
+                self._fill(index)
+            elif self.phase is Phase.IDLE:
+                used = self._used_since_sync
+                for i in index:
+                    used[i] = True
+            else:
+                for i in index:
+                    self._arrive(i)
+        finally:
+            self._arm()
+
+    def _arrive(self, i: int) -> None:
+        """One gradient outside the common path (PREPARED, static_graph)."""
         if self.phase is Phase.IDLE:
             self._used_since_sync[i] = True
-            return False
+            return
         if self.phase is Phase.PREPARED:
             self.begin_backward()  # the loss did not come through the outputs (a captured tensor)
         if self.static_graph:
             if self._static_counts is None:  # first iteration: count, reduce at the end
                 self._counts[i] += 1
                 self._fire_order.append(i)
-                return False
+                return
             self._counts[i] -= 1
             if self._counts[i] > 0:
-                return False
+                return
             if self._counts[i] < 0:
                 raise RuntimeError(twice_message(self.fqns[i]))
-        return True
+        self._fill((i,))
 
     def _mark_absent(self, i: int) -> None:
         """A parameter without a gradient this backward: its no_sync accumulation, or zeros."""
-        if self._used_since_sync[i] and self.params[i].grad is not None:
-            self._local_used[i] = 1
-            self._mark_ready(i)
-        else:
-            self._mark_ready(i, zero=True)
+        self._fill((i,), zero=not (self._used_since_sync[i] and self.params[i].grad is not None))
 
     def _scale(self) -> float:
+        """1 / the number of ranks whose gradients are summed (join: the notice's count, waited
+        when the first bucket launches)."""
         if self._divisor is None:
-            if self._divisor_work is not None:
-                self._divisor = float(self._divisor_work.wait().item())
-            else:
-                self._divisor = float(self.world_size)
+            assert self._divisor_work is not None, "the divisor is the group's size unless join counts"
+            self._divisor = float(self._divisor_work.wait().item())
         return 1.0 / self._divisor
 
-    def _mark_ready(self, i: int, hooked: torch.Tensor | None = None, zero: bool = False) -> None:
-        """Parameter `i`'s gradient (or zeros) goes into its bucket; a full bucket is launched.
-        Also the gradient hook itself (`hooked`: the parameter), so that in a plain backward a
-        gradient costs one Python call."""
-        if hooked is not None:
-            if (self.phase is not Phase.BACKWARD or self.static_graph) and not self._hook_reaches_ready(i):
-                return
-            self._local_used[i] = 1
-        if self._ready[i]:
-            raise RuntimeError(twice_message(self.fqns[i]))
-        self._ready[i] = True
-        b, k = self._where[i]
-        bucket = self.buckets[b]
-        view = bucket.views[k]
-        if zero:
-            view.zero_()
-        else:
-            param = self.params[i]
-            # DTensor parameters: the local shard, in the param's placements. Per gradient, so the
-            # plain-tensor path and a known divisor cost no call (the host cost of backward)
-            grad = local_grad(param) if isinstance(param, DTensor) else param.grad
-            divisor = self._divisor
-            scale = 1.0 if self._hook is not None else 1.0 / divisor if divisor is not None else self._scale()
-            if self.gradient_as_bucket_view:
-                if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
-                    view.copy_(grad)
-                    param.grad = as_grad(param, view)
-                if scale != 1.0:
-                    view.mul_(scale)
-            elif scale != 1.0:
-                torch.mul(grad, scale, out=view)
+    def _fill(self, indices: Iterable[int], zero: bool = False) -> None:
+        """Parameters' gradients (or zeros) into their buckets, each complete bucket scaled by
+        1/N and launched as soon as it is, in index order. One frame for many gradients: the
+        loop is the host cost of backward, so it calls no Python helper on the plain-tensor
+        path, and plain gradients are copied by one foreach op before a launch, not one op each."""
+        ready, where, buckets, params, views_are_grads = (
+            self._ready, self._where, self.buckets, self.params, self.gradient_as_bucket_view)
+        record = not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)  # _recording
+        copy_to: list[torch.Tensor] = []
+        copy_from: list[torch.Tensor] = []
+        for i in indices:
+            if ready[i]:
+                raise RuntimeError(twice_message(self.fqns[i]))
+            ready[i] = True
+            b, k = where[i]
+            bucket = buckets[b]
+            view = bucket.views[k]
+            if zero:
+                view.zero_()
             else:
-                view.copy_(grad)
-        if not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters):  # _recording
-            self._order.append(i)
-        bucket.pending -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            nxt = self.buckets[self._next]
-            nxt.work = self._launch(nxt, nxt.buffer)
-            self._next += 1
+                self._local_used[i] = 1
+                param = params[i]
+                if views_are_grads or isinstance(param, DTensor):
+                    # DTensor parameters: the local shard, in the param's placements
+                    grad = local_grad(param) if isinstance(param, DTensor) else param.grad
+                    if not views_are_grads:
+                        view.copy_(grad)
+                    elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+                        view.copy_(grad)
+                        param.grad = as_grad(param, view) if isinstance(param, DTensor) else view
+                else:
+                    copy_to.append(view)
+                    copy_from.append(param.grad)
+            if record:
+                self._order.append(i)
+            bucket.pending -= 1
+            while self._next < len(buckets) and buckets[self._next].pending == 0:
+                if copy_to:
+                    torch._foreach_copy_(copy_to, copy_from)
+                    copy_to.clear()
+                    copy_from.clear()
+                nxt = buckets[self._next]
+                if self._hook is None:  # a comm hook gets the sum (torch's contract), the default 1/N of it
+                    nxt.buffer.mul_(1.0 / self._divisor if self._divisor is not None else self._scale())
+                nxt.work = self._launch(nxt, nxt.buffer)
+                self._next += 1
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
 
     def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> object:
         if self._hook is None:
@@ -263,49 +340,53 @@ class Reducer:
                             "it must return a torch.futures.Future holding the bucket's tensor")
         return fut
 
+    # -- end of backward -----------------------------------------------------------------
+
     def _finalize(self) -> None:
+        """Every gradient is in: mark what never came, wait the buckets in order, write .grads."""
         assert self.phase is Phase.BACKWARD, self.phase
         try:
-            self._finalize_buckets()
+            if self._arrived:  # those since the last countdown (none where it ran out at the last bucket)
+                self._take_in()
+            first_static = self.static_graph and self._static_counts is None
+            if first_static:  # delayed: every gradient is in, reduce all now
+                for i, count in enumerate(self._counts):
+                    self._local_used[i] = int(count > 0)
+                    self._fill((i,), zero=count == 0)
+            skip: set[int] = set()  # parameters whose .grad stays as it is
+            if False in self._ready:
+                missing = [i for i, r in enumerate(self._ready) if not r]
+                if self.find_unused_parameters:  # reachable, but no gradient came
+                    for i in missing:
+                        self._mark_absent(i)
+                else:
+                    names = [self.fqns[i] for i in missing]
+                    self._error = unused_message(names, comm.get_rank(self.group), self.static_graph)
+                    self._fill(missing, zero=True)  # peers wait for these buckets: send zeros
+                    skip.update(missing)
+            if self.find_unused_parameters or first_static:
+                used = torch.tensor(self._local_used, dtype=torch.int32, device=comm.group_device(self.group))
+                comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
+                globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
+                skip |= globally_unused
+                if first_static:
+                    self._record_static_graph(globally_unused)
+            elif self._static_counts is not None:
+                skip |= self._static_global_unused
+            for handle in self._extra_work:
+                handle.wait()
+            self._extra_work.clear()
+            for bucket in self.buckets:
+                self._write_grads(bucket, skip)
+            recording = not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)
+            if recording and len(self._order) == len(self.params):  # _recording, inlined: every step
+                self._rebuild_pending = True
         finally:
             self.phase = Phase.IDLE
             self.num_iterations += 1
             self._used_since_sync = [False] * len(self.params)
             self._divisor_work = None
-
-    def _finalize_buckets(self) -> None:
-        first_static = self.static_graph and self._static_counts is None
-        if first_static:  # delayed: every gradient is in, reduce all now
-            for i, count in enumerate(self._counts):
-                self._local_used[i] = int(count > 0)
-                self._mark_ready(i, zero=count == 0)
-        missing = [i for i, r in enumerate(self._ready) if not r]
-        skip: set[int] = set()  # parameters whose .grad stays as it is
-        if missing and self.find_unused_parameters:  # reachable, but no gradient came
-            for i in missing:
-                self._mark_absent(i)
-        elif missing:
-            names = [self.fqns[i] for i in missing]
-            self._error = unused_message(names, comm.get_rank(self.group), self.static_graph)
-            for i in missing:
-                self._mark_ready(i, zero=True)  # peers wait for these buckets: send zeros
-            skip.update(missing)
-        if self.find_unused_parameters or first_static:
-            used = torch.tensor(self._local_used, dtype=torch.int32, device=comm.group_device(self.group))
-            comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
-            globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
-            skip |= globally_unused
-            if first_static:
-                self._record_static_graph(globally_unused)
-        elif self._static_counts is not None:
-            skip |= self._static_global_unused
-        for handle in self._extra_work:
-            handle.wait()
-        self._extra_work.clear()
-        for bucket in self.buckets:
-            self._write_grads(bucket, skip)
-        if self._recording and len(self._order) == len(self.params):
-            self._rebuild_pending = True
+            # the countdown stays: 1 after the last bucket (the first no_sync gradient re-arms it)
 
     def _record_static_graph(self, globally_unused: set[int]) -> None:
         self._static_counts = list(self._counts)
@@ -323,6 +404,8 @@ class Reducer:
                 result = result[0]
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
+        copy_to: list[torch.Tensor] = []  # the .grads that exist take the averages in one foreach op
+        copy_from: list[torch.Tensor] = []
         for k, i in enumerate(bucket.param_indices):
             if i in skip:
                 continue
@@ -334,7 +417,10 @@ class Reducer:
                 param.grad = as_grad(param, view.clone())
             else:  # local(), inlined: once per parameter per step
                 grad = param.grad
-                (grad._local_tensor if isinstance(grad, DTensor) else grad).copy_(view)
+                copy_to.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
+                copy_from.append(view)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
 
     # -- join ----------------------------------------------------------------------------
 

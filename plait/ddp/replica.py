@@ -33,7 +33,7 @@ from plait.ddp.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES,
 from plait.ddp.compiled import BucketedCompile
 from plait.ddp.graph import watch_outputs
 from plait.ddp.join import Join, Joinable, JoinHook
-from plait.ddp.reducer import Reducer
+from plait.ddp.reducer import Phase, Reducer
 
 
 def bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None) -> list[int]:
@@ -98,16 +98,24 @@ class ReplicaState(Joinable):
 
     # Both run eager even when the forward is compiled: bookkeeping (hooks, handles, the
     # door's events) has nothing to give a graph, and traced it would break the graph.
+    # `replicate` registers them as the module's hooks themselves (hence the signatures):
+    # no wrapper frame per forward.
     @torch._disable_dynamo
-    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # Every forward: each step below is called only where it has work (its guard is the
+        # first test it makes), so a plain step makes no frame that returns at once.
         grad_enabled = torch.is_grad_enabled()
-        self.reducer.prepare_for_forward(grad_enabled and self.require_backward_grad_sync)
-        notice = Join.notify_join_context(self)
-        if notice is not None:
-            self.reducer.add_pending_work(notice, divisor=not self._divide_by_initial_world_size)
-        if grad_enabled:
-            self.reducer.rebuild_buckets()
-        if self.will_sync_module_buffers():
+        reducer = self.reducer
+        sync_grads = grad_enabled and self.require_backward_grad_sync
+        if not sync_grads or reducer._error is not None or reducer.phase is Phase.BACKWARD:
+            reducer.prepare_for_forward(sync_grads)
+        if self._join_config.enable:
+            notice = Join.notify_join_context(self)
+            if notice is not None:
+                reducer.add_pending_work(notice, divisor=not self._divide_by_initial_world_size)
+        if grad_enabled and reducer._rebuild_pending:
+            reducer.rebuild_buckets()
+        if self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers:  # will_sync_module_buffers
             root = sync.find_common_rank(self.group, True) if self._join_config.enable else 0
             self.sync_buffers(root)
         if self._join_config.enable:  # tell joined ranks whether this backward reduces
@@ -119,13 +127,18 @@ class ReplicaState(Joinable):
         return args, kwargs
 
     @torch._disable_dynamo
-    def post_forward(self, output: Any) -> Any:
+    def post_forward(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             self.reducer.prepare_for_backward(watch_outputs(output, self.reducer.begin_backward))
         else:
             self.require_forward_param_sync = False
         return output
+
+    # The two above without their disable wrapper (4 frames a call), for DDP.forward when it
+    # knows no compile callback is active; `replicate`'s module hooks cannot know, so keep it.
+    _pre_forward = pre_forward.__wrapped__
+    _post_forward = post_forward.__wrapped__
 
     def will_sync_module_buffers(self) -> bool:
         # torch's rule: whether the module had buffers when wrapped (sync_buffers looks them up again)
@@ -187,17 +200,17 @@ def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     each module and buffer once), walked with a stack: one Python call, not the ~5 per module
     of nn.Module's nested generators. Per forward (buffers are broadcast every step)."""
     out: list[tuple[str, torch.Tensor]] = []
-    seen_modules: set[nn.Module] = set()
-    seen: set[torch.Tensor] = set()
+    seen_modules: set[int] = set()  # ids: Module and Tensor hash in Python (a frame each)
+    seen: set[int] = set()
     stack = [("", module)]
     while stack:
         prefix, m = stack.pop()
-        if m in seen_modules:
+        if id(m) in seen_modules:
             continue
-        seen_modules.add(m)
+        seen_modules.add(id(m))
         for name, b in m._buffers.items():
-            if b is not None and b not in seen:
-                seen.add(b)
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
                 out.append((prefix + name, b))
         children = []
         for name, child in m._modules.items():

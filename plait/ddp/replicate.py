@@ -130,8 +130,8 @@ def replicate(
     )
     module.__dict__[_STATE] = state  # not a submodule or parameter: the state dict is unchanged
     state.forward = module.forward  # its own forward (an instance override included), before the class changes
-    module.register_forward_pre_hook(lambda _m, args, kwargs: state.pre_forward(args, kwargs), with_kwargs=True)
-    module.register_forward_hook(lambda _m, _args, output: state.post_forward(output))
+    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
     cls = type(module)
     module.__class__ = type(f"Replicate{cls.__name__}", (_Replicated, cls), {})
     return module

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from plait.ddp import DistributedDataParallel, replicate
+from plait.ddp.replicate import replicate_state
 from plait.testing import assert_synced, distributed
 from tests.ddp.common import (
     PER_RANK,
@@ -118,3 +119,47 @@ def test_bf16_parameters_get_bf16_buckets():
         opt.zero_grad(), ref_opt.zero_grad()
         for name, p in model.named_parameters():
             assert_synced(p, g, name=name)
+
+
+class _KeepsLogits(torch.nn.Module):
+    """Returns its logits detached and keeps the live ones: the loss reaches the parameters
+    through a tensor the forward kept, not through the outputs (no output pre-hook fires)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = build("mlp", seed=0)
+        self.kept: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kept = self.mlp(x)
+        return self.kept.detach()
+
+
+@distributed([1, 2, 3])
+@pytest.mark.parametrize("front", ["ddp", "replicate"])
+def test_loss_through_a_kept_tensor_is_reduced_like_one_through_the_outputs(front):
+    """The first gradient, not the outputs' pre-hook, begins the backward: every bucket
+    (several) is still reduced and the step matches one process (tolerances as above)."""
+    g, rank, n = world()
+    module = _KeepsLogits()
+    torch.manual_seed(rank)
+    for p in module.parameters():  # replicas that start apart: the start-up broadcast aligns them
+        p.data.normal_()
+    wrapped = (DistributedDataParallel(module, bucket_cap_mb=BUCKET_MB["mlp"]) if front == "ddp"
+               else replicate(module, bucket_cap_mb=BUCKET_MB["mlp"]))
+    ref = _KeepsLogits()
+    ref.load_state_dict(module.state_dict())
+    reducer = wrapped.reducer if front == "ddp" else replicate_state(wrapped).reducer
+    assert len(reducer.buckets) > 1
+    opt, ref_opt = make_optimizer("adamw", wrapped.parameters()), make_optimizer("adamw", ref.parameters())
+    for step in range(3):
+        x, y = batch("mlp", step, n * PER_RANK)
+        wrapped(mine(x, rank))
+        loss_fn("mlp", module.kept, mine(y, rank)).backward()
+        ref(x)
+        loss_fn("mlp", ref.kept, y).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_params_close(module, ref, atol=2e-5, rtol=1e-4, what=f"kept-tensor loss ({front})")
+    for name, p in module.named_parameters():
+        assert_synced(p, g, name=name)
