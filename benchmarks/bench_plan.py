@@ -68,7 +68,7 @@ def run(quick: bool = False) -> None:
     from plait.plan.timing import Hardware, host_cores
     from plait.train.config import load
 
-    hw = dataclasses.replace(cached() or Hardware(), cores=host_cores())
+    hw = dataclasses.replace(cached(8) or Hardware(), cores=host_cores())
     preds, _ = plan(load("small"), 8, hw=hw, config_name="small")
     chosen = choose(preds, 4 if quick else 12)
     rows, measured = [], []
