@@ -13,7 +13,8 @@ Gloo's cost per call among N processes, cache it per N.
       dtensor_op_s: the CPU (thread time, not wall) of an add on a replicated plait DTensor over
         the N-rank mesh: plait's dispatch alone
     one of the model's blocks, forward and backward, fp32, one thread, at 8 tokens -> op_s: its
-    time over the ops it dispatches (counted with a TorchDispatchMode; host time dominates
+    CPU time (thread time: what a rank's work costs, apart from who else shares the core) over
+    the ops it dispatches (counted with a TorchDispatchMode; host time dominates
     there); at a rank's microbatch shape (b, s, d) -> flop_rate: its FLOPs (timing.py's count)
     over its time less ops * op_s
     -> Hardware(nproc=N, collectives=((g, s per call, bytes/s), ...)) -> JSON at $PLAIT_CACHE_DIR
@@ -41,12 +42,13 @@ def cache_path() -> Path:
 
 
 def _timed(fn, budget_s: float, *, max_repeats: int = 50) -> float:
+    """Median CPU seconds (this thread's, so another process's load does not count) of `fn`."""
     fn()  # warm-up
     times, end = [], time.perf_counter() + budget_s
     while len(times) < max_repeats and (not times or time.perf_counter() < end):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     return statistics.median(times)
 
 
