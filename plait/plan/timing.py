@@ -6,8 +6,8 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
         N_local the rank's TP-local block and output parameters (no embedding table), L its
         layers; activation checkpointing reruns forward: 8 instead of 6 on checkpointed blocks
     host ops, counted (constants below, each with the run it was counted on): per microbatch
-        per block (plain, or TP's with its DTensor share; CP's ring ops per layer; x 8/6 when
-        checkpointed) and per stage; per step per parameter (AdamW, grad norm, clip; on
+        per block (plain, or TP's with its DTensor share; CP's ring ops per layer; x AC_OPS when
+        checkpointed: 1.59, the forward again and the checkpoint's own) and per stage; per step per parameter (AdamW, grad norm, clip; on
         DTensors when FSDP or TP shards them; DDP's bucket copies) and per FSDP group
         (all-gather copy-out, reduce-scatter copy-in). Plain ops cost op_s, DTensor ops
         dtensor_op_s.
@@ -118,6 +118,8 @@ DDP_OPS_PER_PARAM = 2  # R8 - R1: 83 (each grad copied into its bucket and back)
 FSDP_OPS_PER_GROUP = 170  # S8 - R1: 852 for 5 groups (all-gather copy-out, reduce-scatter copy-in, views)
 CP_OPS_PER_LAYER = 415  # S4 C2 - S8: 1659 for 4 layers, cp 2 (the ring's attention pieces and merges)
 TP_BLOCK = {True: (347, 155), False: (333, 99)}  # SP?: (ops, of them on DTensors) a block, R4 T2 / S4 T2 noSP
+AC_OPS = 1 + 148 / 249  # a checkpointed block's ops over a plain one's: R8 AC:full - R8, 592 for 4 blocks
+# (its forward again, 83, and the checkpoint's own: saved-tensor hooks, detaches, RNG state)
 
 
 def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int) -> tuple[float, float]:
@@ -125,7 +127,7 @@ def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int) -> tuple[fl
     plain = dt = 0.0
     sp = dims.sequence_parallel and dims.tp > 1
     for i in dims.stage_layers[stage]:
-        factor = 8 / 6 if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 1.0
+        factor = AC_OPS if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 1.0
         if dims.tp > 1:
             ops, on_dtensors = TP_BLOCK[sp]
             dt += factor * on_dtensors
