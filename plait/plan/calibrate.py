@@ -16,7 +16,8 @@ Gloo's cost per call among N processes, cache it per N.
     CPU time (thread time: what a rank's work costs, apart from who else shares the core) over
     the ops it dispatches (counted with a TorchDispatchMode; host time dominates
     there); at a rank's microbatch shape (b, s, d) -> flop_rate: its FLOPs (timing.py's count)
-    over its time less ops * op_s
+    over its time less ops * op_s; the same block under plait's checkpoint_wrapper -> ac_factor:
+    its time over the plain block's (the forward again and the checkpoint's own work)
     -> Hardware(nproc=N, collectives=((g, s per call, bytes/s), ...)) -> JSON at $PLAIT_CACHE_DIR
        or ~/.cache/plait/plan-calibration.json, {str(N): fields}, reused for jobs of N ranks
 
@@ -76,8 +77,9 @@ def count_ops(fn) -> int:
     return c.n
 
 
-def block_costs(args, *, batch: int, seq_len: int, budget_s: float = 5.0) -> tuple[float, float]:
-    """(op_s, flop_rate) from one block's forward + backward at 8 tokens and at (batch, seq_len)."""
+def block_costs(args, *, batch: int, seq_len: int, budget_s: float = 5.0) -> tuple[float, float, float]:
+    """(op_s, flop_rate, ac_factor) from one block's forward + backward at 8 tokens and at (batch,
+    seq_len), and the same block checkpointed at (batch, seq_len) over it plain."""
     import torch
 
     from plait.models.llama.model import TransformerBlock, rope_table
@@ -94,9 +96,13 @@ def block_costs(args, *, batch: int, seq_len: int, budget_s: float = 5.0) -> tup
     ops = count_ops(small)
     op_s = _timed(small, budget_s / 3)
     op_s /= ops
-    t = _timed(step_at(batch, seq_len), 2 * budget_s / 3)
+    t = _timed(step_at(batch, seq_len), budget_s / 3)
     per_token = 6 * sum(p.numel() for p in block.parameters()) + 12 * args.n_heads * args.head_dim * seq_len
-    return op_s, batch * seq_len * per_token / max(t - ops * op_s, 0.1 * t)
+    rate = batch * seq_len * per_token / max(t - ops * op_s, 0.1 * t)
+    from plait.activation_checkpoint import checkpoint_wrapper
+
+    block = checkpoint_wrapper(block)  # as plait train wraps a checkpointed block
+    return op_s, rate, _timed(step_at(batch, seq_len), budget_s / 3) / t
 
 
 BURST = (256, 128, 512)  # (m, k, n): one matmul of 2mkn = 34 MFLOP, ~0.5 ms on one core of this host
@@ -228,10 +234,11 @@ def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = Tru
     if nproc > 1:  # first: the forked ranks start from a process that has run no torch op yet
         table, dtensor_op_s = collective_costs(nproc, budget_s=DEADLINE_S / 2)
     left = DEADLINE_S - (time.perf_counter() - t0)
-    op_s, rate = block_costs(args, batch=max(1, batch), seq_len=seq_len, budget_s=min(DEADLINE_S / 6, left - 2))
+    op_s, rate, ac_factor = block_costs(args, batch=max(1, batch), seq_len=seq_len,
+                                        budget_s=min(DEADLINE_S / 5, left - 2))
     first = table[min(table)] if table else (Hardware.latency, Hardware.bandwidth)
     hw = Hardware(flop_rate=rate, bandwidth=first[1], latency=first[0], op_s=op_s,
-                  dtensor_op_s=dtensor_op_s or Hardware.dtensor_op_s, nproc=nproc,
+                  dtensor_op_s=dtensor_op_s or Hardware.dtensor_op_s, nproc=nproc, ac_factor=ac_factor,
                   collectives=tuple((g, c, b) for g, (c, b) in sorted(table.items())), source="calibrated")
     fields = hw.as_dict()
     fields.pop("source")

@@ -4,7 +4,8 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
 
     FLOPs per rank = tokens per rank * (6 * N_local + 12 * L * h/t * hd * s)   torchtitan's count:
         N_local the rank's TP-local block and output parameters (no embedding table), L its
-        layers; activation checkpointing reruns forward: 8 instead of 6 on checkpointed blocks
+        layers; activation checkpointing reruns forward: 8 instead of 6 on checkpointed blocks,
+        or, calibrated, 6 * ac_factor (a checkpointed block's measured time over a plain one's)
     host ops, counted (constants below, each with the run it was counted on): per microbatch
         per block (plain, or TP's with its DTensor share; CP's ring ops per layer; x AC_OPS when
         checkpointed: 1.59, the forward again and the checkpoint's own) and per stage; per step per parameter (AdamW, grad norm, clip; on
@@ -56,6 +57,7 @@ class Hardware:
     cores: int = 0  # cores the ranks share (0: one each, no oversubscription)
     nproc: int = 0  # the process count `collectives` was measured at (0: none measured)
     collectives: tuple[tuple[int, float, float], ...] = ()  # (group size, s per call, bytes/s per rank) at nproc
+    ac_factor: float = 0.0  # a checkpointed block's time over a plain one's (0: not measured; FLOPs 8/6, ops AC_OPS)
     source: str = "defaults"
 
     def as_dict(self) -> dict:
@@ -94,14 +96,16 @@ class StepTime:
         return max(parts, key=parts.get)
 
 
-def stage_flops_per_token(args, dims, stage: int, *, seq_len: int, ac_mode: str, ac_every: int) -> float:
+def stage_flops_per_token(args, dims, stage: int, *, seq_len: int, ac_mode: str, ac_every: int,
+                          ac_factor: float = 0.0) -> float:
     d, hd, t = args.dim, args.head_dim, dims.tp
     f = args.ffn_hidden_dim()
     block = (2 * args.n_heads * hd * d + 2 * args.kv_heads * hd * d + 3 * d * f) / t
     attn = 12 * (args.n_heads / t) * hd * seq_len / 6  # per layer, in units of 6 * params
     total = 0.0
     for i in dims.stage_layers[stage]:
-        factor = 8 if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 6
+        checkpointed = ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0)
+        factor = (6 * ac_factor or 8) if checkpointed else 6  # measured: the whole block's time scales by it
         total += factor * (block + attn)
     if stage == dims.num_stages - 1:
         total += 6 * args.vocab_size * d / t
@@ -122,12 +126,13 @@ AC_OPS = 1 + 148 / 249  # a checkpointed block's ops over a plain one's: R8 AC:f
 # (its forward again, 83, and the checkpoint's own: saved-tensor hooks, detaches, RNG state)
 
 
-def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int) -> tuple[float, float]:
-    """(plain ops, DTensor ops) one microbatch's forward + backward dispatches on `stage`."""
+def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int, ac_factor: float = 0.0) -> tuple[float, float]:
+    """(plain ops, DTensor ops) one microbatch's forward + backward dispatches on `stage` (ac_factor,
+    when measured, scales a checkpointed block's ops as it does its time)."""
     plain = dt = 0.0
     sp = dims.sequence_parallel and dims.tp > 1
     for i in dims.stage_layers[stage]:
-        factor = AC_OPS if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 1.0
+        factor = (ac_factor or AC_OPS) if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 1.0
         if dims.tp > 1:
             ops, on_dtensors = TP_BLOCK[sp]
             dt += factor * on_dtensors
@@ -182,20 +187,21 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     tokens = batch_size // dims.dp * seq_len // dims.cp  # a cp rank's share; attention still spans seq_len
     kw = dict(seq_len=seq_len, ac_mode=ac_mode, ac_every=ac_every)
     over = oversubscription(dims, hw)
+    acf = dict(ac_factor=hw.ac_factor)
     m = dims.microbatches if dims.pp > 1 else 1
     once_plain, once_dt = step_ops(args, dims, stages)
     opt_host = over * (once_plain * hw.op_s + once_dt * hw.dtensor_op_s)
     bubble = 0.0
     if dims.pp == 1:
-        plain, dt = host_ops(args, dims, 0, ac_mode=ac_mode, ac_every=ac_every)
+        plain, dt = host_ops(args, dims, 0, ac_mode=ac_mode, ac_every=ac_every, **acf)
         mb_host = over * (plain * hw.op_s + dt * hw.dtensor_op_s)
         host = mb_host * m + opt_host
-        compute = over * tokens * stage_flops_per_token(args, dims, 0, **kw) / hw.flop_rate + host
+        compute = over * tokens * stage_flops_per_token(args, dims, 0, **kw, **acf) / hw.flop_rate + host
     else:
         from plait.pipelining.schedules import Costs, build_schedule, simulate
 
-        per_stage = [stage_flops_per_token(args, dims, s, **kw) for s in range(dims.num_stages)]
-        ops = [host_ops(args, dims, s, ac_mode=ac_mode, ac_every=ac_every) for s in range(dims.num_stages)]
+        per_stage = [stage_flops_per_token(args, dims, s, **kw, **acf) for s in range(dims.num_stages)]
+        ops = [host_ops(args, dims, s, ac_mode=ac_mode, ac_every=ac_every, **acf) for s in range(dims.num_stages)]
         mb_host = over * sum(p * hw.op_s + d * hw.dtensor_op_s for p, d in ops) / len(ops)
         fwd = over * tokens / m * sum(per_stage) / len(per_stage) / hw.flop_rate / 3 + mb_host / 3
         backward = 3 * fwd if ac_mode != "none" else 2 * fwd

@@ -41,7 +41,7 @@ def fake_probe(monkeypatch, tmp_path):
         return {g: (1e-3 * g, 1e8 / g) for g in cal.group_sizes(nproc)}, 2e-5
 
     monkeypatch.setattr(cal, "collective_costs", costs)
-    monkeypatch.setattr(cal, "block_costs", lambda args, **kw: (5e-6, 4e10))
+    monkeypatch.setattr(cal, "block_costs", lambda args, **kw: (5e-6, 4e10, 1.5))
     return runs
 
 
@@ -49,7 +49,7 @@ def test_calibration_is_cached_per_process_count(fake_probe, tmp_path):
     args, _ = check(load("tiny"), 1)
     hw8 = cal.calibrate(args, batch=2, seq_len=32, nproc=8)
     assert hw8.nproc == 8 and hw8.collectives == ((2, 2e-3, 5e7), (4, 4e-3, 2.5e7), (8, 8e-3, 1.25e7))
-    assert (hw8.op_s, hw8.flop_rate, hw8.dtensor_op_s) == (5e-6, 4e10, 2e-5)
+    assert (hw8.op_s, hw8.flop_rate, hw8.dtensor_op_s, hw8.ac_factor) == (5e-6, 4e10, 2e-5, 1.5)
     assert (hw8.latency, hw8.bandwidth) == (2e-3, 5e7)  # the smallest group's
     hw4 = cal.calibrate(args, batch=2, seq_len=32, nproc=4)
     assert fake_probe == [8, 4]
@@ -107,3 +107,22 @@ def test_host_ops_count_the_wrappers_own():
     assert sum(step_ops(args, ddp, [0])) > base_plain
     kw = dict(ac_mode="none", ac_every=2)
     assert host_ops(args, cp, 0, **kw)[0] == host_ops(args, single, 0, **kw)[0] + 2 * CP_OPS_PER_LAYER
+
+
+def test_block_costs_measure_the_checkpointed_block_against_the_plain_one():
+    """tiny's block at 2 x 32 tokens: a host op costs microseconds, and the checkpointed block,
+    which runs its forward twice, costs more than the plain one but less than three times it."""
+    args, _ = check(load("tiny"), 1)
+    op_s, rate, ac_factor = cal.block_costs(args, batch=2, seq_len=32, budget_s=1.0)
+    assert 0 < op_s < 1e-3 and rate > 0
+    assert 1.0 < ac_factor < 3.0
+
+
+def test_a_measured_checkpoint_factor_scales_the_checkpointed_blocks():
+    config = apply_overrides(load("tiny"), ["--parallel.dp_shard", "2"])
+    args, dims = check(config, 2)
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    plain = step_time(args, dims, {}, Hardware(ac_factor=2.0), ac_mode="none", **kw)
+    full = step_time(args, dims, {}, Hardware(ac_factor=2.0), ac_mode="full", **kw)
+    counted = step_time(args, dims, {}, Hardware(), ac_mode="full", **kw)
+    assert full.compute_s > counted.compute_s > plain.compute_s  # x2 measured against x8/6 and x1.59 counted
