@@ -1,6 +1,6 @@
 """plait plan against the runs it predicts: the `small` config on 8 ranks, 12 layouts.
 
-    plait plan's ranking (calibration cache if there, else defaults; cores of this host)
+    plait plan's ranking (calibration cached for 8 processes, else defaults; this host's cores)
     -> 12 layouts: the predicted best 4 and the first of each kind below (TP, PP, CP, AC, FSDP x
        TP, HSDP, ...) -> each trained 5 steps by `plait run --nproc-per-node 8 -m plait.train`
        (--metrics.live_bytes true: step 2 counts live tensor bytes) -> plait plan --compare's
