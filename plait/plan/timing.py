@@ -120,10 +120,17 @@ OPS_PER_PARAM = 17  # R1: 648 a step beyond forward + backward: AdamW's 394, gra
 DTENSOR_OPS_PER_PARAM = 9  # of those, on DTensor parameters (S8: 351 of 39 parameters)
 DDP_OPS_PER_PARAM = 2  # R8 - R1: 83 (each grad copied into its bucket and back)
 FSDP_OPS_PER_GROUP = 170  # S8 - R1: 852 for 5 groups (all-gather copy-out, reduce-scatter copy-in, views)
-CP_OPS_PER_LAYER = 415  # S4 C2 - S8: 1659 for 4 layers, cp 2 (the ring's attention pieces and merges)
+CP_OPS_PER_LAYER = (292, 123)  # + per ring step (cp - 1): S4 C2 - S8, 1659 for 4 layers (cp 2), S2 C4 - S8,
+# 2643 (cp 4): the ring's attention pieces and merges, one set per K/V chunk
 TP_BLOCK = {True: (347, 155), False: (333, 99)}  # SP?: (ops, of them on DTensors) a block, R4 T2 / S4 T2 noSP
 AC_OPS = 1 + 148 / 249  # a checkpointed block's ops over a plain one's: R8 AC:full - R8, 592 for 4 blocks
 # (its forward again, 83, and the checkpoint's own: saved-tensor hooks, detaches, RNG state)
+
+
+def cp_ops(cp: int) -> int:
+    """Ring attention's own ops a layer, forward + backward, over `cp` ranks."""
+    base, per_step = CP_OPS_PER_LAYER
+    return base + per_step * (cp - 1) if cp > 1 else 0
 
 
 def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int, ac_factor: float = 0.0) -> tuple[float, float]:
@@ -140,7 +147,7 @@ def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int, ac_factor: 
         else:
             plain += factor * OPS_PER_BLOCK
         if dims.cp > 1:
-            plain += factor * CP_OPS_PER_LAYER
+            plain += factor * cp_ops(dims.cp)
     return plain + OPS_PER_STAGE, dt
 
 

@@ -90,7 +90,7 @@ def test_step_time_charges_each_call_and_byte_where_measured():
 
 def test_host_ops_count_the_wrappers_own():
     """FSDP's ops per group and CP's per layer add to a step's host time; DDP's per parameter."""
-    from plait.plan.timing import CP_OPS_PER_LAYER, FSDP_OPS_PER_GROUP, host_ops, step_ops
+    from plait.plan.timing import FSDP_OPS_PER_GROUP, cp_ops, host_ops, step_ops
 
     def dims_of(world, overrides):
         return check(apply_overrides(load("tiny"), overrides), world)
@@ -106,7 +106,8 @@ def test_host_ops_count_the_wrappers_own():
     assert dt > 0  # the optimizer's ops on DTensor parameters
     assert sum(step_ops(args, ddp, [0])) > base_plain
     kw = dict(ac_mode="none", ac_every=2)
-    assert host_ops(args, cp, 0, **kw)[0] == host_ops(args, single, 0, **kw)[0] + 2 * CP_OPS_PER_LAYER
+    assert host_ops(args, cp, 0, **kw)[0] == host_ops(args, single, 0, **kw)[0] + 2 * cp_ops(2)
+    assert cp_ops(2) == 415 and cp_ops(4) == 661 and cp_ops(1) == 0  # counted: S4 C2 and S2 C4 less S8, a layer
 
 
 def test_block_costs_measure_the_checkpointed_block_against_the_plain_one():
