@@ -131,7 +131,8 @@ def _rank(rank: int, nproc: int, store: str, out: str, repeats: int) -> None:
     sizes = group_sizes(nproc)
     groups = {g: world if g == nproc else comm.new_group(list(range(rank // g * g, rank // g * g + g)))
               for g in sizes}
-    a, w, small, big = torch.randn(*BURST[:2]), torch.randn(*BURST[1:]), torch.zeros(1), torch.zeros(BIG)
+    a, w = torch.randn(*BURST[:2]), torch.randn(*BURST[1:])
+    small, big = a.new_zeros(1), a.new_zeros(BIG)  # 4 bytes, 1 MiB
 
     def loop(group, tensor) -> float:
         comm.barrier(group=world)
