@@ -1,6 +1,6 @@
 """plait plan against the runs it predicts: the `small` config on 8 ranks, 12 layouts.
 
-    plait plan's ranking (calibration cache if there, else defaults; cores of this host)
+    plait plan's ranking (calibration cached for 8 processes, else defaults; this host's cores)
     -> 12 layouts: the predicted best 4 and the first of each kind below (TP, PP, CP, AC, FSDP x
        TP, HSDP, ...) -> each trained 5 steps by `plait run --nproc-per-node 8 -m plait.train`
        (--metrics.live_bytes true: step 2 counts live tensor bytes) -> plait plan --compare's
@@ -68,7 +68,7 @@ def run(quick: bool = False) -> None:
     from plait.plan.timing import Hardware, host_cores
     from plait.train.config import load
 
-    hw = dataclasses.replace(cached() or Hardware(), cores=host_cores())
+    hw = dataclasses.replace(cached(8) or Hardware(), cores=host_cores())
     preds, _ = plan(load("small"), 8, hw=hw, config_name="small")
     chosen = choose(preds, 4 if quick else 12)
     rows, measured = [], []

@@ -8,8 +8,9 @@
     plait plan pipeline --schedule 1F1B --ranks 4 --microbatches 8   # one schedule, simulated
 
 Options: `--config NAME|FILE.toml` (default tiny), `--nproc N` (required), `--memory-per-rank`
-(e.g. 2GiB, 512MiB, 1e9; layouts over it rank last, marked), `--calibrate` (measure FLOP/s
-and Gloo cost here, at most 30 s, cached; later runs reuse the cache), `--json`, `--top K`
+(e.g. 2GiB, 512MiB, 1e9; layouts over it rank last, marked), `--calibrate` (measure FLOP/s,
+host cost per op and Gloo's cost per call among N processes here, at most 30 s, cached per N;
+later runs reuse the cache), `--json`, `--top K`
 (default 10), `--rejected`; then any `--section.key value`, as `plait train` takes them. The
 layout's own values (`--parallel.dp_replicate/dp_shard/cp/tp/pp/pp_schedule/microbatches/
 virtual_stages/sequence_parallel`, `--activation_checkpoint.mode`) are what it enumerates; every
@@ -81,6 +82,13 @@ def table(preds: list, limit: int | None, top: int) -> str:
     return "\n".join(lines)
 
 
+def _collectives(hw) -> str:
+    if hw.collectives:
+        return f"per call among {hw.nproc} processes: " + ", ".join(
+            f"g{g} {c * 1e3:.2f} ms {b:.2g} B/s" for g, c, b in hw.collectives)
+    return f"{hw.bandwidth:.3g} B/s, {hw.latency * 1e6:.0f} us/call"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "pipeline":
@@ -88,13 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return pipeline_main(argv)
     if argv and argv[0] == "--compare":
-        from plait.plan.calibrate import cached
         from plait.plan.compare import compare, format_rows
 
         try:
             if len(argv) != 2:
                 raise ValueError("--compare takes one run folder (a plait train job.dir)")
-            rows, equal = compare(argv[1], cached())
+            rows, equal = compare(argv[1])  # the calibration cached for the run's world size, if any
         except (ValueError, TypeError) as e:
             print(f"plait plan: {e}", file=sys.stderr)
             return 2
@@ -114,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         if opts["calibrate"]:
             from plait.plan.calibrate import calibrate
 
-            hw = calibrate(args, batch=config.training.batch_size // opts["nproc"], seq_len=config.training.seq_len)
+            hw = calibrate(args, batch=config.training.batch_size // opts["nproc"], seq_len=config.training.seq_len,
+                           nproc=opts["nproc"])
         else:
             from plait.plan.calibrate import cached
 
-            hw = cached() or hw
+            hw = cached(opts["nproc"]) or hw
         import dataclasses
 
         from plait.plan.timing import host_cores
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if preds else 1
     print(f"{len(preds)} layouts of {opts['nproc']} ranks fit {opts['config']} ({len(rejected)} rejected); "
           f"hardware: {hw.flop_rate:.3g} FLOP/s, {hw.op_s * 1e6:.1f} us/op, {hw.dtensor_op_s * 1e6:.0f} us/DTensor op, "
-          f"{hw.bandwidth:.3g} B/s, {hw.latency * 1e6:.0f} us/call, {hw.cores} cores ({hw.source})")
+          f"{_collectives(hw)}, {hw.cores} cores ({hw.source})")
     if preds:
         print(table(preds, opts["memory"], opts["top"]))
         best = preds[0]

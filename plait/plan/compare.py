@@ -58,9 +58,11 @@ def compare(run_dir: str | Path, hw: Hardware | None = None) -> tuple[list[tuple
         rows.append((f"bytes/step {axis}", f"{p:,}", f"{m:,}", "equal" if p == m else f"{p - m:+,}"))
     import dataclasses
 
+    from plait.plan.calibrate import cached
     from plait.plan.timing import host_cores
 
-    hw = dataclasses.replace(hw or Hardware(), cores=host_cores())  # the run's ranks shared this host's cores
+    hw = hw or cached(record["world_size"]) or Hardware()
+    hw = dataclasses.replace(hw, cores=host_cores())  # the run's ranks shared this host's cores
     time = step_time(args, dims, predicted, hw, **kw)
     timed = [s["step_time_s"] for s in steps[1:] if s.get("peak_live_bytes") is None]  # counted: slow
     timed = timed or [s["step_time_s"] for s in steps]

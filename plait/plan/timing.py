@@ -1,45 +1,49 @@
 """Step time: compute at a FLOP rate, plus the host's cost per dispatched op, scaled by the
-ranks sharing each core, plus exposed communication and the pipeline's bubble (torch-free).
+ranks sharing each core, plus communication per call and per byte and the pipeline's bubble
+(torch-free).
 
     FLOPs per rank = tokens per rank * (6 * N_local + 12 * L * h/t * hd * s)   torchtitan's count:
         N_local the rank's TP-local block and output parameters (no embedding table), L its
-        layers; activation checkpointing reruns forward: 8 instead of 6 on checkpointed blocks
-    host ops (counted from the model's structure, fwd + bwd, per microbatch):
-        OPS_PER_BLOCK per block (249: aten ops a TransformerBlock dispatches, counted with a
-        TorchDispatchMode; x 8/6 when checkpointed), OPS_PER_STAGE per stage (embedding, final
-        norm, output, loss), and per step OPS_PER_PARAM per local parameter (AdamW's 13 and the
-        norm/clip's 3); DTensor ops, each costing dtensor_op_s instead of op_s: the optimizer's
-        and clip's ops when parameters are DTensors (FSDP or TP), and DTENSOR_OPS_PER_BLOCK of
-        a block's ops under TP (its 7 linears forward and backward, SP's redistributes)
-    collective calls per axis: _ops (FSDP: all-gather + reduce-scatter per group and step ...)
+        layers; activation checkpointing reruns forward: 8 instead of 6 on checkpointed blocks,
+        or, calibrated, 6 * ac_factor (a checkpointed block's measured time over a plain one's)
+    host ops, counted (constants below, each with the run it was counted on): per microbatch
+        per block (plain, or TP's with its DTensor share; CP's ring ops per layer; x AC_OPS when
+        checkpointed: 1.59, the forward again and the checkpoint's own) and per stage; per step per parameter (AdamW, grad norm, clip; on
+        DTensors when FSDP or TP shards them; DDP's bucket copies) and per FSDP group
+        (all-gather copy-out, reduce-scatter copy-in). Plain ops cost op_s, DTensor ops
+        dtensor_op_s.
+    collective calls and bytes per axis: traffic.calls_per_step / bytes_per_step (the same
+        walk; the calls tested equal to plait.comm's count like the bytes)
     oversub      = max(1, ranks on this host / cores)  (hw.cores: os.sched_getaffinity at plan
                    time; 0, no oversubscription): ranks time-share the cores, so compute and
                    host time stretch by it
     compute_s    = oversub * (FLOPs / flop_rate + ops * op_s + dtensor ops * dtensor_op_s)  pp = 1
                  = the pipeline simulator's makespan with F = oversub * (forward FLOPs / rate +
                    its host ops) per microbatch per stage, B = 2F (3F with AC), W = F, plus the
-                   optimizer's host time                                     pp > 1 (bubble in)
-    comm_s(ax)   = bytes(ax) / bandwidth + calls(ax) * latency * (g - 1)    g the axis' group
-                   size: Gloo's ring takes g - 1 steps a call; latency measured at g = 2
-    exposed      = tp + pp + cp's ring (on the critical path: the ring gathers K/V before its
-                   blocks compute) + max(0, dp - overlap * compute_s)
+                   step's host ops                                           pp > 1 (bubble in)
+    comm_s(ax)   = bytes(ax) / bandwidth(g) + calls(ax) * per_call(g)    g the axis' group size:
+                   calibrated among the job's process count (calibrate.py: the wall a call adds
+                   there, between compute bursts); otherwise latency * (g - 1) (Gloo's ring takes
+                   g - 1 steps a call; latency measured at g = 2) and one bandwidth
+    exposed      = calibrated at the job's process count and oversub > 1: all of comm_s (the
+                   figures are the wall each call adds among ranks that fill every core: no core
+                   is left to overlap it on); otherwise tp + pp + cp's ring (on the critical path:
+                   the ring gathers K/V before its blocks compute) + max(0, dp - overlap *
+                   compute_s) (FSDP/DDP gathers and reductions overlap compute, up to `overlap`)
     cp: a rank's tokens are B/dp * s/cp; each still attends over the whole sequence s
-                   (FSDP/DDP gathers and reductions overlap compute, up to `overlap` of it)
     step_s       = compute_s + exposed
 
 Defaults (no --calibrate): 5e10 FLOP/s per rank, 8 us per op, 70 us per DTensor op (plait's
 Python dispatch; measured on this 2-core host, loaded), Gloo 1e9 B/s and 50 us per call,
-overlap 0.5. `--calibrate` measures the FLOP rate (one block's forward + backward at the
-rank's shape, less its counted ops' host time), op_s (the same block at 8 tokens, where host
-time dominates), dtensor_op_s, and Gloo's latency and bandwidth on 2 processes (calibrate.py).
+overlap 0.5.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from plait.plan.shapes import rank_coords, stage_params, stages_of
-from plait.plan.traffic import ring_bytes
+from plait.plan.shapes import fsdp_groups, rank_coords, stage_params, stages_of
+from plait.plan.traffic import calls_per_step, ring_bytes
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,28 @@ class Hardware:
     op_s: float = 8e-6  # host seconds per dispatched aten op
     dtensor_op_s: float = 70e-6  # host seconds per op on a DTensor
     cores: int = 0  # cores the ranks share (0: one each, no oversubscription)
+    nproc: int = 0  # the process count `collectives` was measured at (0: none measured)
+    collectives: tuple[tuple[int, float, float], ...] = ()  # (group size, s per call, bytes/s per rank) at nproc
+    ac_factor: float = 0.0  # a checkpointed block's time over a plain one's (0: not measured; FLOPs 8/6, ops AC_OPS)
     source: str = "defaults"
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def in_situ(self, world: int) -> bool:
+        """Whether the collective costs were measured among `world` processes on this host."""
+        return bool(self.collectives) and self.nproc == world
+
+    def collective(self, group: int, world: int) -> tuple[float, float]:
+        """(seconds per call, bytes/s per rank) of a collective over `group` ranks of a `world`-rank job:
+        the probe's figure at that process count (its group size, else the next larger one measured);
+        otherwise the 2-rank latency times Gloo's g - 1 ring steps, and the 2-rank bandwidth."""
+        if self.in_situ(world):
+            for g, call, bw in self.collectives:
+                if g >= group:
+                    return call, bw
+            return self.collectives[-1][1:]
+        return self.latency * max(1, group - 1), self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -74,37 +96,73 @@ class StepTime:
         return max(parts, key=parts.get)
 
 
-def stage_flops_per_token(args, dims, stage: int, *, seq_len: int, ac_mode: str, ac_every: int) -> float:
+def stage_flops_per_token(args, dims, stage: int, *, seq_len: int, ac_mode: str, ac_every: int,
+                          ac_factor: float = 0.0) -> float:
     d, hd, t = args.dim, args.head_dim, dims.tp
     f = args.ffn_hidden_dim()
     block = (2 * args.n_heads * hd * d + 2 * args.kv_heads * hd * d + 3 * d * f) / t
     attn = 12 * (args.n_heads / t) * hd * seq_len / 6  # per layer, in units of 6 * params
     total = 0.0
     for i in dims.stage_layers[stage]:
-        factor = 8 if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 6
+        checkpointed = ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0)
+        factor = (6 * ac_factor or 8) if checkpointed else 6  # measured: the whole block's time scales by it
         total += factor * (block + attn)
     if stage == dims.num_stages - 1:
         total += 6 * args.vocab_size * d / t
     return total
 
 
-OPS_PER_BLOCK = 249
-OPS_PER_STAGE = 30
-OPS_PER_PARAM = 16
-DTENSOR_OPS_PER_BLOCK = 30
+# Ops dispatched per step, counted with a TorchDispatchMode at the mode's level (a DTensor op counts
+# once, its local ops not) on rank 0 of the small config (4 blocks, 39 parameters; 8 ranks but R1):
+OPS_PER_BLOCK = 249  # a plain TransformerBlock, forward + backward (1034 a step with the stage's)
+OPS_PER_STAGE = 30  # embedding, final norm, output, loss
+OPS_PER_PARAM = 17  # R1: 648 a step beyond forward + backward: AdamW's 394, grad norm/clip/scalars 254
+DTENSOR_OPS_PER_PARAM = 9  # of those, on DTensor parameters (S8: 351 of 39 parameters)
+DDP_OPS_PER_PARAM = 2  # R8 - R1: 83 (each grad copied into its bucket and back)
+FSDP_OPS_PER_GROUP = 170  # S8 - R1: 852 for 5 groups (all-gather copy-out, reduce-scatter copy-in, views)
+CP_OPS_PER_LAYER = (292, 123)  # + per ring step (cp - 1): S4 C2 - S8, 1659 for 4 layers (cp 2), S2 C4 - S8,
+# 2643 (cp 4): the ring's attention pieces and merges, one set per K/V chunk
+TP_BLOCK = {True: (347, 155), False: (333, 99)}  # SP?: (ops, of them on DTensors) a block, R4 T2 / S4 T2 noSP
+AC_OPS = 1 + 148 / 249  # a checkpointed block's ops over a plain one's: R8 AC:full - R8, 592 for 4 blocks
+# (its forward again, 83, and the checkpoint's own: saved-tensor hooks, detaches, RNG state)
 
 
-def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int) -> tuple[float, float]:
-    """(plain ops, DTensor ops) one microbatch's forward + backward dispatches on `stage`."""
+def cp_ops(cp: int) -> int:
+    """Ring attention's own ops a layer, forward + backward, over `cp` ranks."""
+    base, per_step = CP_OPS_PER_LAYER
+    return base + per_step * (cp - 1) if cp > 1 else 0
+
+
+def host_ops(args, dims, stage: int, *, ac_mode: str, ac_every: int, ac_factor: float = 0.0) -> tuple[float, float]:
+    """(plain ops, DTensor ops) one microbatch's forward + backward dispatches on `stage` (ac_factor,
+    when measured, scales a checkpointed block's ops as it does its time)."""
     plain = dt = 0.0
+    sp = dims.sequence_parallel and dims.tp > 1
     for i in dims.stage_layers[stage]:
-        factor = 8 / 6 if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 1.0
+        factor = (ac_factor or AC_OPS) if ac_mode == "full" or (ac_mode == "every" and i % ac_every == 0) else 1.0
         if dims.tp > 1:
-            dt += factor * DTENSOR_OPS_PER_BLOCK
-            plain += factor * (OPS_PER_BLOCK - DTENSOR_OPS_PER_BLOCK)
+            ops, on_dtensors = TP_BLOCK[sp]
+            dt += factor * on_dtensors
+            plain += factor * (ops - on_dtensors)
         else:
             plain += factor * OPS_PER_BLOCK
+        if dims.cp > 1:
+            plain += factor * cp_ops(dims.cp)
     return plain + OPS_PER_STAGE, dt
+
+
+def step_ops(args, dims, stages) -> tuple[float, float]:
+    """(plain ops, DTensor ops) once a step: the optimizer, grad norm and clip per parameter, and
+    the data-parallel wrappers' own (DDP per parameter, FSDP per group)."""
+    params = [p for s in stages for p in stage_params(args, dims, s, 0)]
+    sharded = dims.dp_shard * dims.cp > 1 or dims.tp > 1  # parameters are DTensors
+    dt = DTENSOR_OPS_PER_PARAM * len(params) if sharded else 0
+    plain = OPS_PER_PARAM * len(params) - dt
+    if dims.dp_shard * dims.cp > 1:
+        plain += FSDP_OPS_PER_GROUP * sum(len(fsdp_groups(stage_params(args, dims, s, 0))) for s in stages)
+    elif dims.dp_replicate > 1:
+        plain += DDP_OPS_PER_PARAM * len(params)
+    return plain, dt
 
 
 def host_cores() -> int:
@@ -121,22 +179,12 @@ def oversubscription(dims, hw: Hardware) -> float:
     return max(1.0, dims.world_size / hw.cores) if hw.cores else 1.0
 
 
-def _ops(dims, args, stages: list[int]) -> dict[str, int]:
-    """Collectives per step per axis, for the latency term (an estimate: traffic.py's list)."""
-    layers = sum(len(dims.stage_layers[s]) for s in stages)
-    m = dims.microbatches if dims.pp > 1 else 1
-    out = {}
-    if dims.tp > 1:
-        out["tp"] = m * (8 * layers + 4)
-    if dims.dp_shard * dims.cp > 1:  # FSDP over dp_shard, or the flattened (dp_shard, cp)
-        out["dp_shard" if dims.dp_shard > 1 else "cp"] = 3 * (layers + 1)
-    if dims.cp > 1:  # the ring: 3 collectives per attention call (traffic.ring_bytes)
-        out["cp"] = out.get("cp", 0) + 3 * m * layers
-    if dims.dp_replicate > 1:
-        out["dp_replicate"] = layers + 1
-    if dims.pp > 1:
-        out["pp"] = 2 * m * len(stages)
-    return out
+def _group_size(dims, label: str) -> int:
+    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "pp": 2}
+    g = 1
+    for k in label.split("+"):
+        g *= sizes.get(k, 1)
+    return g
 
 
 def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int, batch_size: int,
@@ -146,22 +194,21 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     tokens = batch_size // dims.dp * seq_len // dims.cp  # a cp rank's share; attention still spans seq_len
     kw = dict(seq_len=seq_len, ac_mode=ac_mode, ac_every=ac_every)
     over = oversubscription(dims, hw)
+    acf = dict(ac_factor=hw.ac_factor)
     m = dims.microbatches if dims.pp > 1 else 1
-    n_params = sum(len(stage_params(args, dims, s, c["tp"])) for s in stages)
-    step_ops = n_params * OPS_PER_PARAM  # the optimizer and the norm/clip, once a step
-    sharded = dims.dp_shard * dims.cp > 1 or dims.tp > 1  # parameters are DTensors
-    opt_host = over * step_ops * (hw.dtensor_op_s if sharded else hw.op_s)
+    once_plain, once_dt = step_ops(args, dims, stages)
+    opt_host = over * (once_plain * hw.op_s + once_dt * hw.dtensor_op_s)
     bubble = 0.0
     if dims.pp == 1:
-        plain, dt = host_ops(args, dims, 0, ac_mode=ac_mode, ac_every=ac_every)
+        plain, dt = host_ops(args, dims, 0, ac_mode=ac_mode, ac_every=ac_every, **acf)
         mb_host = over * (plain * hw.op_s + dt * hw.dtensor_op_s)
         host = mb_host * m + opt_host
-        compute = over * tokens * stage_flops_per_token(args, dims, 0, **kw) / hw.flop_rate + host
+        compute = over * tokens * stage_flops_per_token(args, dims, 0, **kw, **acf) / hw.flop_rate + host
     else:
         from plait.pipelining.schedules import Costs, build_schedule, simulate
 
-        per_stage = [stage_flops_per_token(args, dims, s, **kw) for s in range(dims.num_stages)]
-        ops = [host_ops(args, dims, s, ac_mode=ac_mode, ac_every=ac_every) for s in range(dims.num_stages)]
+        per_stage = [stage_flops_per_token(args, dims, s, **kw, **acf) for s in range(dims.num_stages)]
+        ops = [host_ops(args, dims, s, ac_mode=ac_mode, ac_every=ac_every, **acf) for s in range(dims.num_stages)]
         mb_host = over * sum(p * hw.op_s + d * hw.dtensor_op_s for p, d in ops) / len(ops)
         fwd = over * tokens / m * sum(per_stage) / len(per_stage) / hw.flop_rate / 3 + mb_host / 3
         backward = 3 * fwd if ac_mode != "none" else 2 * fwd
@@ -170,21 +217,21 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
         sim = simulate(plan, Costs(forward=fwd, backward=backward, weight=fwd))
         compute, bubble = sim.makespan + opt_host, sim.bubble
         host = mb_host * m * len(stages) + opt_host
-    ops = _ops(dims, args, stages)
+    calls = calls_per_step(args, dims, batch_size=batch_size, global_rank=global_rank, **kw)
     comm: dict[str, float] = {}
-    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-             "tp": dims.tp, "pp": 2}
-    for axis, nbytes in traffic.items():
-        names = axis.split("+")
-        n_ops = sum(v for k, v in ops.items() if k in names) or 3
-        group = 1
-        for k in names:
-            group *= sizes.get(k, 2)
-        comm[axis] = nbytes / hw.bandwidth + n_ops * hw.latency * max(1, group - 1)
-    # the ring's all-gather runs before its blocks compute: on the critical path, as tp and pp are
-    ring = ring_bytes(args, dims, [i for s in stages for i in dims.stage_layers[s]], seq_len=seq_len,
-                      batch_size=batch_size, ac_mode=ac_mode, ac_every=ac_every) / hw.bandwidth
-    critical = sum(v for k, v in comm.items() if "tp" in k.split("+") or k == "pp") + ring
-    dp = sum(v for k, v in comm.items() if not ("tp" in k.split("+") or k == "pp")) - ring
-    exposed = critical + max(0.0, dp - hw.overlap * compute)
+    for axis in sorted(set(traffic) | set(calls)):
+        per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
+        comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
+    if hw.in_situ(dims.world_size) and over > 1:
+        # measured where it is paid: each call's figure is the wall it adds among these ranks on
+        # these cores (its own CPU, time-shared, and the waits for its group); no core is left to
+        # overlap it with, so all of it is exposed
+        exposed = sum(comm.values())
+    else:
+        # the ring's all-gather runs before its blocks compute: on the critical path, as tp and pp are
+        ring = ring_bytes(args, dims, [i for s in stages for i in dims.stage_layers[s]], seq_len=seq_len,
+                          batch_size=batch_size, ac_mode=ac_mode, ac_every=ac_every) / hw.bandwidth
+        critical = sum(v for k, v in comm.items() if "tp" in k.split("+") or k == "pp") + ring
+        dp = sum(v for k, v in comm.items() if not ("tp" in k.split("+") or k == "pp")) - ring
+        exposed = critical + max(0.0, dp - hw.overlap * compute)
     return StepTime(compute, host, comm, exposed, bubble, compute + exposed)

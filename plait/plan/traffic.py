@@ -79,11 +79,28 @@ def _checkpointed(layer: int, ac_mode: str, ac_every: int) -> bool:
 def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: int, ac_mode: str = "none",
                    ac_every: int = 2, backend: str = "gloo") -> dict[str, int]:
     """{axis label: bytes} this rank sends in a steady-state step (see the module docstring)."""
-    out: dict[str, int] = {}
+    return _walk(args, dims, seq_len=seq_len, batch_size=batch_size, global_rank=global_rank, ac_mode=ac_mode,
+                 ac_every=ac_every, backend=backend)[0]
 
-    def add(axes: tuple[str, ...], nbytes: int) -> None:
+
+def calls_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: int, ac_mode: str = "none",
+                   ac_every: int = 2, backend: str = "gloo") -> dict[str, int]:
+    """{axis label: collective and point-to-point calls} this rank takes part in per step (the
+    same walk as bytes_per_step; a call over a group of one is not one)."""
+    return _walk(args, dims, seq_len=seq_len, batch_size=batch_size, global_rank=global_rank, ac_mode=ac_mode,
+                 ac_every=ac_every, backend=backend)[1]
+
+
+def _walk(args, dims, *, seq_len: int, batch_size: int, global_rank: int, ac_mode: str, ac_every: int,
+          backend: str) -> tuple[dict[str, int], dict[str, int]]:
+    out: dict[str, int] = {}
+    calls: dict[str, int] = {}
+
+    def add(axes: tuple[str, ...], nbytes: int, n_calls: int = 1) -> None:
+        key = label(dims, axes)
+        if key and n_calls:
+            calls[key] = calls.get(key, 0) + int(n_calls)
         if nbytes:
-            key = label(dims, axes)
             out[key] = out.get(key, 0) + int(nbytes)
 
     c = rank_coords(dims, global_rank)
@@ -101,7 +118,7 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
             for group in fsdp_groups(params):
                 piece = sum(p.fsdp_padded(n) for p in group) * f4
                 gathers = 1 if dims.pp > 1 or group[0].block is None else 2
-                add(("dp_shard", "cp"), gathers * all_gather(n, piece, backend=backend))
+                add(("dp_shard", "cp"), gathers * all_gather(n, piece, backend=backend), gathers)
                 add(("dp_shard", "cp"), reduce_scatter(n, piece))
                 if R > 1:
                     add(("dp_replicate",), all_reduce(R, piece))
@@ -128,20 +145,24 @@ def bytes_per_step(args, dims, *, seq_len: int, batch_size: int, global_rank: in
                 mb_bytes += 3 * all_reduce(t, tok * f4)
             elif last:  # the logits gathered on the vocabulary dim
                 mb_bytes += all_gather(t, tok * (args.vocab_size // t) * f4, backend=backend)
-            add(("tp",), m * mb_bytes)
+            mb_calls = sum((8 if sp else 4) + ((3 if sp else 1) if _checkpointed(i, ac_mode, ac_every) else 0)
+                           for i in layers) + (2 if sp else 1) * (first + last)
+            mb_calls += (3 if dims.loss_parallel else 1) if last else 0
+            add(("tp",), m * mb_bytes, m * mb_calls)
             if sp:  # the SequenceParallel norms' Partial grads: once per step, or per microbatch
                 norms = 2 * len(layers) + last  # where FSDP under a pipeline accumulates them
                 times = m if n > 1 and dims.pp > 1 else 1
-                add(("tp",), times * norms * all_reduce(t, d * f4))
-        add(("cp",), ring_bytes(args, dims, layers, seq_len=seq_len, batch_size=batch_size, ac_mode=ac_mode,
-                                ac_every=ac_every, backend=backend))
+                add(("tp",), times * norms * all_reduce(t, d * f4), times * norms)
+        ring = ring_bytes(args, dims, layers, seq_len=seq_len, batch_size=batch_size, ac_mode=ac_mode,
+                          ac_every=ac_every, backend=backend)
+        add(("cp",), ring, m * sum(3 + _checkpointed(i, ac_mode, ac_every) for i in layers) if cp > 1 else 0)
         # pipeline p2p, per microbatch
         if dims.pp > 1:
             act = mb * (s // t if sp else s) * d * f4
-            add(("pp",), m * act * ((not last) + (not first)))
+            add(("pp",), m * act * ((not last) + (not first)), 2 * m * ((not last) + (not first)))  # send + recv
     world = dims.world_size
-    add(AXES, 2 * all_reduce(world, 8) + all_reduce(world, 4))
-    return out
+    add(AXES, 2 * all_reduce(world, 8) + all_reduce(world, 4), 3)
+    return out, calls
 
 
 def ring_bytes(args, dims, layers, *, seq_len: int, batch_size: int, ac_mode: str = "none", ac_every: int = 2,

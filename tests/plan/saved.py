@@ -1,7 +1,8 @@
 """Measure, on a pool rank, what the planner predicts: `plait train` run in-process with its
 parts and optimizers captured and its training forward/backward under saved_tensors_hooks.
 
-    train(config) -> bytes sent by axis in the last step (the trainer's CommDebugMode count)
+    train(config) -> bytes sent by axis in the last step (the trainer's CommDebugMode count),
+                     and its collective and point-to-point calls by axis (the same events)
                   -> local parameter bytes and AdamW state bytes (after the run)
                   -> peak bytes of live saved tensors over the steps (unique storages; a
                      parameter or a view of one is not an activation)
@@ -67,6 +68,18 @@ def measure(config) -> dict:
         parts.append(build(*args, **kwargs))
         return parts[-1]
 
+    calls: list[dict[str, int]] = []
+    by_axis = trainer.M.bytes_by_axis
+
+    def counted(events, dims):  # the step's calls per axis label, as its bytes are labelled
+        step: dict[str, int] = {}
+        for e in events:
+            label = trainer.M.axis_label(e.group_ranks, dims)
+            if label:
+                step[label] = step.get(label, 0) + 1
+        calls.append(step)
+        return by_axis(events, dims)
+
     def traced(p, batch, *, train: bool, **kwargs):
         if not train:
             return forward_backward(p, batch, train=train, **kwargs)
@@ -74,10 +87,11 @@ def measure(config) -> dict:
             return forward_backward(p, batch, train=train, **kwargs)
 
     with mock.patch.object(trainer, "build_parts", build_parts), \
-            mock.patch.object(trainer, "_forward_backward", traced), mock.patch.object(torch.optim, "AdamW", RecordedAdamW):
+            mock.patch.object(trainer, "_forward_backward", traced), mock.patch.object(torch.optim, "AdamW", RecordedAdamW), \
+            mock.patch.object(trainer.M, "bytes_by_axis", counted):
         result = trainer.train(config)
     params = sum(_local(p).numel() * _local(p).element_size() for m in parts[0].modules for p in m.parameters())
     state = sum(_local(v).numel() * _local(v).element_size() for o in optimizers for s in o.state.values()
                 for v in s.values() if torch.is_tensor(v))
-    return {"bytes": result.bytes_sent_by_axis[-1], "params": params, "optimizer": state,
+    return {"bytes": result.bytes_sent_by_axis[-1], "calls": calls[-1], "params": params, "optimizer": state,
             "activations": saved.peak}

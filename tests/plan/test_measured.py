@@ -1,7 +1,7 @@
 """The planner against plait train's own measurements, on the tiny config, every rank:
 
 - bytes: predicted bytes per rank per step equal the bytes plait.comm's door counted
-  (CommDebugMode in the trainer, by mesh axis), exactly. Each layout trains 3 steps (no
+  (CommDebugMode in the trainer, by mesh axis), exactly; and so do the calls per axis. Each layout trains 3 steps (no
   validation) and the third is compared: the first sends pipeline shape metadata and the second
   DDP's bucket rebuild, which the planner leaves out (it predicts the steady state).
 - memory: parameters and AdamW state equal the tensors the rank holds (local shards, summed
@@ -21,7 +21,7 @@ import tempfile
 import pytest
 
 from plait.plan.memory import memory_per_rank
-from plait.plan.traffic import bytes_per_step
+from plait.plan.traffic import bytes_per_step, calls_per_step
 from plait.testing import run_distributed
 from plait.train.config import apply_overrides, load
 from plait.train.layout import check
@@ -84,6 +84,8 @@ def test_predicted_bytes_equal_counted(name):
     for rank, got in enumerate(measured):
         predicted = bytes_per_step(args, dims, global_rank=rank, **kw)
         assert predicted == got["bytes"], f"rank {rank}: predicted {predicted} != counted {got['bytes']}"
+        calls = calls_per_step(args, dims, global_rank=rank, **kw)  # timing.py's per-call term
+        assert calls == got["calls"], f"rank {rank}: predicted calls {calls} != counted {got['calls']}"
         mem = memory_per_rank(args, dims, global_rank=rank, **kw)
         assert (mem.params, mem.optimizer) == (got["params"], got["optimizer"]), (rank, mem, got)
         if ac.mode == "none":
