@@ -4,7 +4,9 @@
     -> 12 layouts: the predicted best 4 and the first of each kind below (TP, PP, CP, AC, FSDP x
        TP, HSDP, ...) -> each trained 5 steps by `plait run --nproc-per-node 8 -m plait.train`
        (--metrics.live_bytes true: step 2 counts live tensor bytes) -> plait plan --compare's
-       figures: median step time of steps 3..5, peak live tensor bytes (max over ranks)
+       figures: median step time of steps 3..5, peak live tensor bytes (max over ranks); and
+       the job's CPU seconds a step (all ranks' threads) over the cores: the wall the step would
+       take were the cores its only limit
     -> table: layout, predicted and measured step time and memory, errors; whether the
        predicted best is among the measured best two
 
@@ -15,6 +17,7 @@ Wall-clock on a shared host is noisy: the load average is printed beside the tab
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,7 +66,7 @@ def run(quick: bool = False) -> None:
     import dataclasses
 
     from plait.plan.calibrate import cached
-    from plait.plan.compare import compare
+    from plait.plan.compare import compare, read_run
     from plait.plan.planner import plan
     from plait.plan.timing import Hardware, host_cores
     from plait.train.config import load
@@ -78,18 +81,20 @@ def run(quick: bool = False) -> None:
         if not _run(p.layout.choice.overrides(), job):
             continue
         figures = {r[0]: r for r in compare(job, hw)[0]}
+        steps = read_run(job)[1][2:]  # as compare's timings: past the first and the counted step
+        cpu_ms = statistics.median(s["step_cpu_s"] for s in steps) / hw.cores * 1e3 if hw.cores else float("nan")
         t_ms = float(figures["step time"][2].split()[0])
         mem = figures.get("memory/rank")
         live = float(mem[2].split()[0]) if mem else float("nan")
         pred_mem = p.memory.total / 2**20
         measured.append((t_ms, p))
         rows.append([p.layout.choice.describe(), f"{p.time.step_s * 1e3:.1f}", f"{t_ms:.1f}",
-                     f"{(p.time.step_s * 1e3 - t_ms) / t_ms:+.0%}", f"{pred_mem:.2f}", f"{live:.2f}",
+                     f"{(p.time.step_s * 1e3 - t_ms) / t_ms:+.0%}", f"{cpu_ms:.1f}", f"{pred_mem:.2f}", f"{live:.2f}",
                      f"{(pred_mem - live) / live:+.1%}"])
     best_two = [p for _, p in sorted(measured, key=lambda x: x[0])[:2]]
     verdict = "yes" if measured and chosen[0] in best_two else "no"
     print_table("plait plan vs plait train: small, 8 ranks",
-                ["layout", "pred ms", "meas ms", "err", "pred MiB", "live MiB", "err"], rows,
+                ["layout", "pred ms", "meas ms", "err", "cpu/cores ms", "pred MiB", "live MiB", "err"], rows,
                 notes=f"hardware: {hw.source}, {hw.cores} cores; load average {os.getloadavg()}; predicted best "
                       f"{chosen[0].layout.choice.describe()} among the measured best two: {verdict} "
                       f"(measured best: {', '.join(p.layout.choice.describe() for p in best_two)})")

@@ -17,10 +17,19 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
     oversub      = max(1, ranks on this host / cores)  (hw.cores: os.sched_getaffinity at plan
                    time; 0, no oversubscription): ranks time-share the cores, so compute and
                    host time stretch by it
-    compute_s    = oversub * (FLOPs / flop_rate + ops * op_s + dtensor ops * dtensor_op_s)  pp = 1
-                 = the pipeline simulator's makespan with F = oversub * (forward FLOPs / rate +
-                   its host ops) per microbatch per stage, B = 2F (3F with AC), W = F, plus the
-                   step's host ops                                           pp > 1 (bubble in)
+    microbatch   = oversub * (FLOPs / flop_rate + ops * op_s + dtensor ops * dtensor_op_s)
+                 = tp_factor * (plain FLOPs / flop_rate + plain ops * op_s)   tp > 1, calibrated
+                   at the job's process count: the probe's TP step among N ranks (probe.py), its
+                   wall over the unsharded model's CPU at the same tokens. It holds the TP
+                   collectives (their CPU and waits: the tp axis is not charged again), the
+                   DTensor dispatch and the work TP leaves unsharded, which op counts at one
+                   per-op cost and FLOPs / t miss (measured: 2x the plain CPU per rank at tp 2)
+    compute_s    = microbatch + the step's host ops                           pp = 1
+                 = the pipeline simulator's makespan with F = microbatch / 3 per stage, B = 2F
+                   (3F with AC), W = F, plus the step's host ops               pp > 1 (bubble in)
+                 = max(makespan * (1 - bubble), makespan / oversub) + ...    pp > 1, oversub > 1:
+                   ranks that share cores fill one another's bubbles (a rank's idle slot runs
+                   another's work), unless the schedule's critical path at full speed is longer
     comm_s(ax)   = bytes(ax) / bandwidth(g) + calls(ax) * per_call(g)    g the axis' group size:
                    calibrated among the job's process count (calibrate.py: the wall a call adds
                    there, between compute bursts); otherwise latency * (g - 1) (Gloo's ring takes
@@ -40,6 +49,7 @@ overlap 0.5.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from plait.plan.shapes import fsdp_groups, rank_coords, stage_params, stages_of
@@ -58,6 +68,7 @@ class Hardware:
     nproc: int = 0  # the process count `collectives` was measured at (0: none measured)
     collectives: tuple[tuple[int, float, float], ...] = ()  # (group size, s per call, bytes/s per rank) at nproc
     ac_factor: float = 0.0  # a checkpointed block's time over a plain one's (0: not measured; FLOPs 8/6, ops AC_OPS)
+    tp_factors: tuple[tuple[int, bool, float], ...] = ()  # (tp, sequence parallel, factor) at nproc (probe.py)
     source: str = "defaults"
 
     def as_dict(self) -> dict:
@@ -77,6 +88,14 @@ class Hardware:
                     return call, bw
             return self.collectives[-1][1:]
         return self.latency * max(1, group - 1), self.bandwidth
+
+
+    def tp_factor(self, tp: int, sequence_parallel: bool, world: int) -> float:
+        """A TP rank's wall per step over the plain model's CPU at its tokens, measured among
+        `world` processes here (0: not measured)."""
+        if not self.in_situ(world):
+            return 0.0
+        return next((f for g, sp, f in self.tp_factors if g == tp and sp == sequence_parallel), 0.0)
 
 
 @dataclass(frozen=True)
@@ -199,29 +218,46 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     once_plain, once_dt = step_ops(args, dims, stages)
     opt_host = over * (once_plain * hw.op_s + once_dt * hw.dtensor_op_s)
     bubble = 0.0
+    tp_f = hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size) if dims.tp > 1 else 0.0
+
+    def microbatch(stage: int, n: float) -> tuple[float, float]:
+        """(seconds, of them host) of one microbatch's forward + backward of `n` tokens on `stage`:
+        with a measured TP factor, the plain (unsharded) model's CPU times it; otherwise FLOPs and
+        the ops' host cost, stretched by the ranks sharing a core."""
+        if tp_f:
+            plain = dataclasses.replace(dims, tp=1)
+            host = host_ops(args, plain, stage, ac_mode=ac_mode, ac_every=ac_every, **acf)[0] * hw.op_s
+            return tp_f * (n * stage_flops_per_token(args, plain, stage, **kw, **acf) / hw.flop_rate + host), tp_f * host
+        ops, dt = host_ops(args, dims, stage, ac_mode=ac_mode, ac_every=ac_every, **acf)
+        host = over * (ops * hw.op_s + dt * hw.dtensor_op_s)
+        return over * n * stage_flops_per_token(args, dims, stage, **kw, **acf) / hw.flop_rate + host, host
+
     if dims.pp == 1:
-        plain, dt = host_ops(args, dims, 0, ac_mode=ac_mode, ac_every=ac_every, **acf)
-        mb_host = over * (plain * hw.op_s + dt * hw.dtensor_op_s)
-        host = mb_host * m + opt_host
-        compute = over * tokens * stage_flops_per_token(args, dims, 0, **kw, **acf) / hw.flop_rate + host
+        mb, mb_host = microbatch(0, tokens)
+        host = mb_host + opt_host
+        compute = mb + opt_host
     else:
         from plait.pipelining.schedules import Costs, build_schedule, simulate
 
-        per_stage = [stage_flops_per_token(args, dims, s, **kw, **acf) for s in range(dims.num_stages)]
-        ops = [host_ops(args, dims, s, ac_mode=ac_mode, ac_every=ac_every, **acf) for s in range(dims.num_stages)]
-        mb_host = over * sum(p * hw.op_s + d * hw.dtensor_op_s for p, d in ops) / len(ops)
-        fwd = over * tokens / m * sum(per_stage) / len(per_stage) / hw.flop_rate / 3 + mb_host / 3
+        per_stage = [microbatch(s, tokens / m) for s in range(dims.num_stages)]
+        fwd = sum(t for t, _ in per_stage) / len(per_stage) / 3
         backward = 3 * fwd if ac_mode != "none" else 2 * fwd
         plan = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches,
                               stages_per_rank=dims.virtual_stages if dims.virtual_stages > 1 else None)
         sim = simulate(plan, Costs(forward=fwd, backward=backward, weight=fwd))
-        compute, bubble = sim.makespan + opt_host, sim.bubble
-        host = mb_host * m * len(stages) + opt_host
+        # ranks that outnumber the cores fill one another's bubbles: a rank's idle slots go to the
+        # others' work, so the step is the busy time (stretched), unless the schedule's own
+        # critical path at full speed is longer
+        busy = sim.makespan * (1 - sim.bubble)
+        compute, bubble = max(busy, sim.makespan / over) + opt_host, sim.bubble
+        host = sum(h for _, h in per_stage) / len(per_stage) * m * len(stages) + opt_host
     calls = calls_per_step(args, dims, batch_size=batch_size, global_rank=global_rank, **kw)
     comm: dict[str, float] = {}
     for axis in sorted(set(traffic) | set(calls)):
         per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
         comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
+    if tp_f:  # the probe's TP step held its collectives: their CPU and their waits are in compute
+        comm.pop("tp", None)
     if hw.in_situ(dims.world_size) and over > 1:
         # measured where it is paid: each call's figure is the wall it adds among these ranks on
         # these cores (its own CPU, time-shared, and the waits for its group); no core is left to

@@ -59,6 +59,7 @@ class StepRecord:
     tokens_per_s_per_rank: float
     mfu: float  # fraction of the peak per rank
     step_time_s: float
+    step_cpu_s: float  # CPU seconds of the step, summed over ranks and their threads (process_time)
     peak_memory_mib: float  # max over ranks
     val_loss: float | None = None
     bytes_sent_by_axis: dict[str, int] | None = None  # rank 0's this step (what plait.plan predicts)

@@ -225,7 +225,7 @@ def train(config: JobConfig) -> TrainResult:
     from plait.debug import CommDebugMode
 
     for step in range(start + 1, t.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         counter = CommDebugMode().__enter__()  # the step's traffic, what plait.plan predicts
         batch = next(stream).to(device, non_blocking=True)  # data is made on the host
         live = None
@@ -259,10 +259,14 @@ def train(config: JobConfig) -> TrainResult:
         for s in schedulers:
             s.step()
         loss = _global_mean(local_loss, dims)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         mem = torch.tensor(float(M.peak_memory_bytes(device_type)), device=comm.group_device(comm.world_group()))
         comm.all_reduce(mem, group=comm.world_group(), op="max")
         counter.__exit__(None, None, None)
+        # the job's CPU seconds this step, every rank's threads (Gloo's too): what time-sharing
+        # ranks on fewer cores divide among them. Outside the counter: not the step's traffic
+        cpu = torch.tensor(cpu, dtype=torch.float64, device=mem.device)
+        comm.all_reduce(cpu, group=comm.world_group())
         result.bytes_sent_by_axis.append(M.bytes_by_axis(counter.events, dims))
         val = None
         every = config.metrics.val_every
@@ -272,7 +276,7 @@ def train(config: JobConfig) -> TrainResult:
         tps = tokens_per_step / dt
         record = M.StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tps,
                               tokens_per_s_per_rank=tps / world, mfu=tps / world * fpt / peak,
-                              step_time_s=dt, peak_memory_mib=float(mem) / 2**20, val_loss=val,
+                              step_time_s=dt, step_cpu_s=float(cpu), peak_memory_mib=float(mem) / 2**20, val_loss=val,
                               bytes_sent_by_axis=result.bytes_sent_by_axis[-1], peak_live_bytes=peak_live)
         result.losses.append(loss)
         log.log(record)

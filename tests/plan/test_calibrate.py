@@ -9,6 +9,7 @@ import math
 import pytest
 
 from plait.plan import calibrate as cal
+from plait.plan import probe
 from plait.plan.timing import Hardware, step_time
 from plait.plan.traffic import bytes_per_step, calls_per_step
 from plait.train.config import apply_overrides, load
@@ -16,19 +17,36 @@ from plait.train.layout import check
 
 
 def test_group_sizes_are_the_divisors_a_layout_can_use():
-    assert cal.group_sizes(8) == [2, 4, 8]
-    assert cal.group_sizes(6) == [2, 3, 6]
-    assert cal.group_sizes(1) == []
+    assert probe.group_sizes(8) == [2, 4, 8]
+    assert probe.group_sizes(6) == [2, 3, 6]
+    assert probe.group_sizes(1) == []
 
 
-def test_probe_reports_a_cost_per_call_and_a_bandwidth_per_group_size():
-    """4 forked processes, two rounds of two calls per variant: the shape of what it reports, and
-    figures a machine can give (a call costs something and under a second; bytes move)."""
-    table, dtensor_op_s = cal.collective_costs(4, budget_s=60.0, repeats=2)
+def test_probe_reports_a_cost_per_call_and_a_bandwidth_per_group_size_and_tp_factors():
+    """4 forked processes, two rounds of two calls per variant, then tiny's TP steps: the shape of
+    what it reports, and figures a machine can give (a call costs something and under a second;
+    bytes move; a TP rank's step takes time)."""
+    args, _ = check(load("tiny"), 1)
+    table, dtensor_op_s, factors = cal.collective_costs(4, budget_s=60.0, repeats=2, tp=(args, 2, 32))
     assert sorted(table) == [2, 4]
     for call, bandwidth in table.values():
         assert 0.0 <= call < 1.0 and bandwidth > 0
     assert 0.0 < dtensor_op_s < 0.1
+    degrees = probe.tp_degrees(args, 4)
+    assert degrees and sorted(factors) == sorted(f"{g},{sp}" for g in degrees for sp in (0, 1))
+    assert all(math.isfinite(f) and f > 0 for f in factors.values()), factors
+
+
+def test_tp_probe_shape_is_a_tp_rank_s_tokens():
+    """A rank of tp g and dp N/g holds batch * g sequences (batch: the global batch over N), the
+    sequence a multiple of g (sequence parallel splits it), at most TP_TOKENS tokens."""
+    args, _ = check(load("small"), 1)
+    assert probe._tp_shape(args, 2, 128, 2) == (4, 128)
+    assert probe._tp_shape(args, 2, 128, 8) == (16, 128)
+    b, s = probe._tp_shape(args, 64, 4096, 2)
+    assert s == probe.TP_TOKENS and b == 1
+    assert probe._tp_shape(args, 1, 5, 4) == (4, 4)
+    assert probe.tp_degrees(args, 8) == [2, 4]  # small: 8 heads, 4 KV heads
 
 
 @pytest.fixture
@@ -39,7 +57,7 @@ def fake_probe(monkeypatch, tmp_path):
 
     def costs(nproc, **kw):
         runs.append(nproc)
-        return {g: (1e-3 * g, 1e8 / g) for g in cal.group_sizes(nproc)}, 2e-5
+        return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"2,1": 3.0, "2,0": 2.5}
 
     monkeypatch.setattr(cal, "collective_costs", costs)
     monkeypatch.setattr(cal, "block_costs", lambda args, **kw: (5e-6, 4e10, 1.5))
@@ -52,6 +70,8 @@ def test_calibration_is_cached_per_process_count(fake_probe, tmp_path):
     assert hw8.nproc == 8 and hw8.collectives == ((2, 2e-3, 5e7), (4, 4e-3, 2.5e7), (8, 8e-3, 1.25e7))
     assert (hw8.op_s, hw8.flop_rate, hw8.dtensor_op_s, hw8.ac_factor) == (5e-6, 4e10, 2e-5, 1.5)
     assert (hw8.latency, hw8.bandwidth) == (2e-3, 5e7)  # the smallest group's
+    assert hw8.tp_factors == ((2, False, 2.5), (2, True, 3.0))
+    assert cal.cached(8).tp_factors == hw8.tp_factors
     hw4 = cal.calibrate(args, batch=2, seq_len=32, nproc=4)
     assert fake_probe == [8, 4]
     assert cal.cached(8).collectives == hw8.collectives and cal.cached(4).collectives == hw4.collectives
@@ -128,3 +148,57 @@ def test_a_measured_checkpoint_factor_scales_the_checkpointed_blocks():
     full = step_time(args, dims, {}, Hardware(ac_factor=2.0), ac_mode="full", **kw)
     counted = step_time(args, dims, {}, Hardware(), ac_mode="full", **kw)
     assert full.compute_s > counted.compute_s > plain.compute_s  # x2 measured against x8/6 and x1.59 counted
+
+
+def _step_ops_s(args, dims, hw) -> float:
+    """The once-a-step ops' host seconds of rank 0, unstretched."""
+    from plait.plan.shapes import stages_of
+    from plait.plan.timing import step_ops
+
+    plain, dt = step_ops(args, dims, stages_of(dims, 0))
+    return plain * hw.op_s + dt * hw.dtensor_op_s
+
+
+def test_a_measured_tp_factor_times_the_plain_model_and_holds_the_tp_collectives():
+    """R2 T2 on 4 processes, calibrated there: a microbatch costs the TP factor times the plain
+    model's compute at the rank's tokens (FLOPs unsharded, plain ops), and the tp axis' calls and
+    bytes, which the probe's TP steps held, are not charged again; measured at another process
+    count, the factor is not used."""
+    import dataclasses
+
+    from plait.plan.timing import host_ops, stage_flops_per_token
+
+    config = apply_overrides(load("tiny"), ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                                            "--parallel.tp", "2"])
+    args, dims = check(config, 4)
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    traffic = bytes_per_step(args, dims, **kw)
+    assert traffic["tp"] > 0
+    hw = Hardware(cores=2, nproc=4, collectives=((2, 1e-3, 3e8), (4, 2e-3, 1e8)), tp_factors=((2, True, 3.0),))
+    assert hw.tp_factor(2, True, 4) == 3.0 and hw.tp_factor(2, False, 4) == 0.0 and hw.tp_factor(2, True, 8) == 0.0
+    st = step_time(args, dims, traffic, hw, **kw)
+    assert "tp" not in st.comm_s and "dp_replicate" in st.comm_s
+    plain, opts = dataclasses.replace(dims, tp=1), dict(ac_mode="none", ac_every=2)
+    tokens = 8 // 2 * 32  # a rank's: the batch over dp, whole sequences
+    mb = 3.0 * (tokens * stage_flops_per_token(args, plain, 0, seq_len=32, **opts) / hw.flop_rate
+                + host_ops(args, plain, 0, **opts)[0] * hw.op_s)
+    assert st.compute_s == pytest.approx(mb + 2 * _step_ops_s(args, dims, hw))  # 4 ranks on 2 cores
+    other = step_time(args, dims, traffic, dataclasses.replace(hw, nproc=8), **kw)
+    assert "tp" in other.comm_s  # measured at 8 processes, not 4: charged per call and byte
+
+
+def test_oversubscribed_pipeline_ranks_fill_one_another_s_bubbles():
+    """R4 P2 GPipe/m2 over 8 ranks: with a core each, compute is the schedule's makespan, bubble
+    included; on 2 cores a rank's idle slots go to the others' work, so it is the busy time (the
+    makespan less its bubble) stretched 4x, not the stretched makespan."""
+    config = apply_overrides(load("small"), ["--parallel.dp_replicate", "4", "--parallel.dp_shard", "1",
+                                             "--parallel.pp", "2", "--parallel.pp_schedule", "GPipe",
+                                             "--parallel.microbatches", "2"])
+    args, dims = check(config, 8)
+    kw = dict(seq_len=128, batch_size=16, global_rank=0)
+    own, shared = (step_time(args, dims, {}, Hardware(cores=c), **kw) for c in (0, 2))
+    assert shared.bubble == own.bubble > 0.2
+    opt = _step_ops_s(args, dims, Hardware())
+    makespan = own.compute_s - opt
+    assert shared.compute_s == pytest.approx(4 * (1 - own.bubble) * makespan + 4 * opt)
+    assert shared.compute_s < 4 * own.compute_s

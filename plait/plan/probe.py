@@ -1,0 +1,192 @@
+"""The calibration's forked probe: what N ranks on this host's cores pay for a collective and for
+a tensor-parallel model, measured among N processes as a job of N ranks runs them.
+
+    N processes forked from the calibrating one (torch imported, no op run yet: fork-safe, no
+    start-up to wait for), one thread each, as plait train runs N ranks here:
+      in step, each computes a burst (two 256x128 @ 128x512 matmuls, ~1 ms: the small config's
+      ranks compute 0.6-1.8 ms between calls) then calls an all-reduce over its group of g
+      consecutive ranks, every group of that size at once, for each g dividing N; the variants
+      alternate over ROUNDS rounds ->
+        per call (s), per g: the wall a 4-byte call adds over the bursts alone: its CPU, stretched
+          by the ranks sharing a core, and the waits for its group's ranks to be scheduled
+        bandwidth (bytes/s per rank), per g: a 1 MiB all-reduce's ring bytes per rank,
+          2(g-1)/g * S, over the wall it adds beyond the 4-byte call
+      dtensor_op_s: the CPU (thread time, not wall) of an add on a replicated plait DTensor over
+        the N-rank mesh: plait's dispatch alone
+      tp factor, per tensor-parallel degree g a layout can use and sequence parallel on/off: the
+        model (its first TP_LAYERS blocks) under plait's TP plan on groups of g consecutive ranks,
+        every group at once, forward + backward with the loss at the tokens a rank of tp g and
+        dp N/g holds -> its wall per step over the CPU (thread time) of the same model unsharded
+        at the same tokens on one thread. What a TP rank's compute costs, in units of the plain
+        model's: the sharded matmuls, the DTensor dispatch, the replicated elementwise work, the
+        TP collectives' CPU and their waits, and the ranks sharing the cores, all as measured
+
+The probe stops by its budget: the forked ranks are killed past it and calibrate says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+BURST = (256, 128, 512)  # (m, k, n): one matmul of 2mkn = 34 MFLOP, ~0.5 ms on one core of this host
+BURSTS_PER_CALL = 2  # ~1 ms of compute between calls: the small config's ranks compute 0.6 (TP) to 1.8 ms (FSDP)
+ROUNDS = 5  # the variants alternate, ROUNDS times
+BIG = 1 << 18  # floats: the 1 MiB all-reduce that gives the bandwidth at the job's process count
+TP_LAYERS = 2  # blocks of the model the TP probe runs (the factor is per unit of plain model time)
+TP_TOKENS = 2048  # at most this many tokens a TP probe step (its cost grows with them)
+TP_REPEATS = 3
+
+
+def group_sizes(nproc: int) -> list[int]:
+    """The group sizes a layout of `nproc` ranks can use: every divisor above 1."""
+    return [g for g in range(2, nproc + 1) if nproc % g == 0]
+
+
+def tp_degrees(args, nproc: int) -> list[int]:
+    """The TP degrees among `nproc` ranks the model's heads and KV heads split over."""
+    return [g for g in group_sizes(nproc) if args.n_heads % g == 0 and args.kv_heads % g == 0]
+
+
+def _tp_shape(args, batch: int, seq_len: int, g: int) -> tuple[int, int]:
+    """(sequences, length) of the TP probe's step at degree g: a rank of tp g, dp N/g holds
+    batch * g sequences (batch: the global batch over N), at most TP_TOKENS tokens."""
+    s = max(g, min(seq_len, TP_TOKENS) // g * g)  # sequence parallel splits the sequence over g
+    return max(1, min(batch * g, TP_TOKENS // s)), s
+
+
+def _tp_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> dict[str, float]:
+    """{"g,sp": wall of the TP model a step among the N ranks over the plain model's CPU}."""
+    import dataclasses
+
+    import torch
+
+    from plait import comm
+    from plait.device_mesh import init_device_mesh
+    from plait.models.llama import Transformer, parallelize_llama
+    from plait.train.parallelize import lm_loss
+
+    small = dataclasses.replace(args, n_layers=min(args.n_layers, TP_LAYERS))
+    gen = torch.Generator().manual_seed(rank)
+    out = {}
+    for g in tp_degrees(args, nproc):
+        b, s = _tp_shape(args, batch, seq_len, g)
+        x = torch.randint(0, args.vocab_size, (b, s + 1), generator=gen)
+        inputs, target = x[:, :-1], x[:, 1:]
+        torch.manual_seed(0)
+        plain = Transformer(small)
+        step = lambda m, i=inputs, t=target: lm_loss(m(i), t).backward()  # noqa: E731
+        step(plain)
+        cpu = []
+        for _ in range(TP_REPEATS):
+            t0 = time.thread_time()
+            step(plain)
+            cpu.append(time.thread_time() - t0)
+        mesh = init_device_mesh("cpu", (nproc // g, g), mesh_dim_names=("dp", "tp"))  # groups of g consecutive ranks
+        for sp in (True, False):
+            torch.manual_seed(0)
+            model = parallelize_llama(Transformer(small), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
+            step(model)
+            comm.barrier(group=comm.world_group())
+            t0 = time.perf_counter()
+            for _ in range(TP_REPEATS):
+                step(model)
+            out[f"{g},{int(sp)}"] = (time.perf_counter() - t0) / TP_REPEATS / statistics.median(cpu)
+    return out
+
+
+def _rank(rank: int, nproc: int, store: str, out: str, repeats: int, tp: tuple | None) -> None:
+    """One of the probe's processes (forked from the calibrating one): every rank, in step,
+    computes a burst and calls a collective over its group of g consecutive ranks (all groups of
+    that size at once, as a layout's axis does); the extra wall time over the bursts alone, per
+    call, is what a call costs among `nproc` processes on these cores. Then, with `tp` (the
+    model's args, the global batch over N, the sequence length), the TP factors."""
+    import torch
+
+    from plait import comm
+
+    torch.set_num_threads(1)  # as plait train sets it when the ranks outnumber the cores
+    comm.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=nproc)
+    world = comm.world_group()
+    sizes = group_sizes(nproc)
+    groups = {g: world if g == nproc else comm.new_group(list(range(rank // g * g, rank // g * g + g)))
+              for g in sizes}
+    a, w = torch.randn(*BURST[:2]), torch.randn(*BURST[1:])
+    small, big = a.new_zeros(1), a.new_zeros(BIG)  # 4 bytes, 1 MiB
+
+    def loop(group, tensor) -> float:
+        comm.barrier(group=world)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            for _ in range(BURSTS_PER_CALL):
+                a @ w
+            if group is not None:
+                comm.all_reduce(tensor, group=group)
+        return (time.perf_counter() - t0) / repeats
+
+    variants = {"bursts": (None, None), **{f"small{g}": (groups[g], small) for g in sizes},
+                **{f"big{g}": (groups[g], big) for g in sizes}}
+    found = dict.fromkeys(variants, 0.0)
+    for _ in range(ROUNDS):  # each variant in every round: a change in the host's load falls on all alike
+        for key, (group, tensor) in variants.items():
+            found[key] += loop(group, tensor) / ROUNDS
+    from plait.device_mesh import init_device_mesh
+    from plait.tensor import Replicate, distribute_tensor
+
+    d = distribute_tensor(torch.zeros(8, 8), init_device_mesh("cpu", (nproc,)), [Replicate()])
+    d.add_(1.0)
+    c0 = time.thread_time()  # CPU, not wall: the host cost of an op, apart from time-sharing
+    for _ in range(200):
+        d.add_(1.0)
+    found["dtensor_op_s"] = (time.thread_time() - c0) / 200
+    if tp is not None:
+        found["tp"] = _tp_factors(*tp, nproc, rank)
+    Path(out).write_text(json.dumps(found))
+    comm.barrier(group=world)
+    comm.destroy_process_group()
+
+
+def collective_costs(nproc: int, *, budget_s: float = 15.0, repeats: int = 10,
+                     tp: tuple | None = None) -> tuple[dict[int, tuple[float, float]], float, dict[str, float]]:
+    """({group size: (seconds per call, bytes/s per rank)} among `nproc` processes on this host,
+    each rank computing between calls; host seconds of one plait DTensor op; with `tp` = (args,
+    global batch over N, sequence length), {"g,sp": TP factor}), from `nproc` processes forked
+    from this one (torch already imported: no start-up to wait for). The figures are the mean
+    over ranks; a call's cost is its extra wall time over the bursts alone, so it holds the
+    call's own CPU, stretched by the ranks sharing a core, and the waits for the group's ranks to
+    be scheduled."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(nproc)]
+        procs = [ctx.Process(target=_rank, args=(r, nproc, os.path.join(tmp, "store"), outs[r], repeats, tp))
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.perf_counter() + budget_s
+        for p in procs:
+            p.join(max(0.1, deadline - time.perf_counter()))
+        late = [p for p in procs if p.is_alive()]
+        for p in late:
+            p.kill()
+            p.join()
+        if late or any(p.exitcode for p in procs):
+            raise RuntimeError(f"plait plan --calibrate: the {nproc}-process probe did not finish in "
+                               f"{budget_s:.0f} s (exit codes {[p.exitcode for p in procs]})")
+        found = [json.loads(Path(o).read_text()) for o in outs]
+    mean = lambda key: statistics.mean(f[key] for f in found)  # noqa: E731
+    table = {}
+    for g in group_sizes(nproc):
+        call = max(0.0, mean(f"small{g}") - mean("bursts"))
+        sent = 2 * (g - 1) / g * BIG * 4  # per rank, the ring all-reduce's count
+        # the bytes' time: the big call's over the small one's, at least a tenth of the big call
+        # (on a loaded host the difference of two noisy figures can come out at nothing)
+        moving = max(mean(f"big{g}") - mean(f"small{g}"), 0.1 * (mean(f"big{g}") - mean("bursts")), 1e-6)
+        table[g] = (call, sent / moving)
+    factors = {k: statistics.mean(f["tp"][k] for f in found) for k in found[0].get("tp", {})}
+    return table, mean("dtensor_op_s"), factors
