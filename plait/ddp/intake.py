@@ -178,7 +178,9 @@ class GradientIntake:
                 nxt = buckets[self._next]
                 if self._hook is None:  # a comm hook gets the sum (torch's contract), the default 1/N of it
                     nxt.buffer.mul_(1.0 / self._divisor if self._divisor is not None else self._scale())
-                nxt.work = self._launch(nxt, nxt.buffer)
+                    nxt.work = nxt.all_reduce.start()  # the door, prepared per bucket (_set_buckets)
+                else:
+                    nxt.work = self._launch(nxt, nxt.buffer)
                 self._next += 1
         if copy_to:
             torch._foreach_copy_(copy_to, copy_from)

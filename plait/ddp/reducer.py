@@ -85,6 +85,8 @@ class Reducer(GradientIntake):
     def _set_buckets(self, assignment: list[list[int]]) -> None:
         old = getattr(self, "buckets", [])
         self.buckets = build_buckets(self.params, self.fqns, assignment)
+        for bucket in self.buckets:  # the default reduction, checked once, one frame an issue
+            bucket.all_reduce = comm.prepare_all_reduce(bucket.buffer, group=self.group, op="sum")
         self._where = [(0, 0)] * len(self.params)  # param index -> (bucket, position)
         for bucket in self.buckets:
             for k, i in enumerate(bucket.param_indices):
