@@ -35,13 +35,15 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait import comm
-from plait.ddp.buckets import Bucket, assign_buckets, build_buckets, move_grad_views
+from plait.ddp.buckets import assign_buckets, build_buckets, move_grad_views
 from plait.ddp.graph import reachable_params, unused_message
 from plait.ddp.intake import GradientIntake, Phase, _name
 from plait.ddp.shards import as_grad, local
 from plait.tensor import DTensor
 
 __all__ = ["Phase", "Reducer"]
+
+_NONE: frozenset[int] = frozenset()  # no parameter skipped: the common end of a backward
 
 
 class Reducer(GradientIntake):
@@ -77,7 +79,8 @@ class Reducer(GradientIntake):
         self._divisor_work = None  # join: a handle whose result is the non-joined count
         self._extra_work: list = []  # handles issued for this iteration, waited at finalize
         self._set_buckets(assign_buckets(self.params, list(reversed(range(n))), self.caps))
-        self._reset_iteration()
+        # the iteration's state (_ready, _local_used, _next, _divisor, ...) is set by
+        # prepare_for_backward from IDLE: nothing reads it before a synced forward
         self._install_hooks()  # intake.py
 
     # -- buckets ------------------------------------------------------------------------
@@ -148,26 +151,23 @@ class Reducer(GradientIntake):
             self.phase = Phase.IDLE
             self._arm()
 
-    def _reset_iteration(self) -> None:
-        n = len(self.params)
-        self._ready = [False] * n
-        self._local_used = [0] * n  # 1: this rank's gradient goes into the sum
-        self._reachable: set[int] = set()  # find_unused_parameters: used by this iteration's forwards
-        self._next = 0  # the next bucket to launch
-        # the gradients' divisor: the group's size, or (join) the count a notice brings, waited lazily
-        self._divisor: float | None = None if self._divisor_work is not None else float(self.world_size)
-        self._fire_order: list[int] = []  # static graph, first iteration
-        self._counts = [0] * n if self._static_counts is None else list(self._static_counts)
-        if self._recording:
-            self._order = []
-        for bucket in self.buckets:
-            bucket.pending, bucket.work = len(bucket.params), None
-
     def prepare_for_backward(self, roots: Sequence[torch.Tensor]) -> None:
         if self._arrived:
             self._take_in()  # gradients of the phase before (no_sync's) are that phase's
-        if self.phase is Phase.IDLE:
-            self._reset_iteration()
+        if self.phase is Phase.IDLE:  # a new iteration: its state, reset (set only here)
+            n = len(self.params)
+            self._ready = [False] * n
+            self._local_used = [0] * n  # 1: this rank's gradient goes into the sum
+            self._reachable: set[int] = set()  # find_unused_parameters: used by this iteration's forwards
+            self._next = 0  # the next bucket to launch
+            # the gradients' divisor: the group's size, or (join) the count a notice brings, waited lazily
+            self._divisor: float | None = None if self._divisor_work is not None else float(self.world_size)
+            self._fire_order: list[int] = []  # static graph, first iteration
+            self._counts = [0] * n if self._static_counts is None else list(self._static_counts)
+            if self._recording:
+                self._order = []
+            for bucket in self.buckets:
+                bucket.pending, bucket.work = len(bucket.params), None
         if self.find_unused_parameters and roots:  # several forwards before one backward: the union
             self._reachable |= reachable_params(roots, self._index_of)
         elif self.find_unused_parameters:  # an output pytree cannot see into: find them at the end
@@ -194,41 +194,42 @@ class Reducer(GradientIntake):
     # -- end of backward -----------------------------------------------------------------
 
     def _finalize(self) -> None:
-        """Every gradient is in: mark what never came, wait the buckets in order, write .grads."""
+        """Every gradient is in: settle what never came, wait the buckets in order, write .grads."""
         assert self.phase is Phase.BACKWARD, self.phase
         try:
             if self._arrived:  # those since the last countdown (none where it ran out at the last bucket)
                 self._take_in()
-            first_static = self.static_graph and self._static_counts is None
-            if first_static:  # delayed: every gradient is in, reduce all now
-                for i, count in enumerate(self._counts):
-                    self._local_used[i] = int(count > 0)
-                    self._fill((i,), zero=count == 0)
-            skip: set[int] = set()  # parameters whose .grad stays as it is
-            if False in self._ready:
-                missing = [i for i, r in enumerate(self._ready) if not r]
-                if self.find_unused_parameters:  # reachable, but no gradient came
-                    for i in missing:
-                        self._mark_absent(i)
-                else:
-                    names = [self.fqns[i] for i in missing]
-                    self._error = unused_message(names, comm.get_rank(self.group), self.static_graph)
-                    self._fill(missing, zero=True)  # peers wait for these buckets: send zeros
-                    skip.update(missing)
-            if self.find_unused_parameters or first_static:
-                used = torch.tensor(self._local_used, dtype=torch.int32, device=comm.group_device(self.group))
-                comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
-                globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
-                skip |= globally_unused
-                if first_static:
-                    self._record_static_graph(globally_unused)
-            elif self._static_counts is not None:
-                skip |= self._static_global_unused
+            skip = (self._settle_absent() if self.find_unused_parameters or self.static_graph or False in self._ready
+                    else _NONE)  # parameters whose .grad stays as it is
             for handle in self._extra_work:
                 handle.wait()
             self._extra_work.clear()
+            # wait each bucket, write its averages: inline, the loop runs once per bucket per step
+            hook, params, as_views = self._hook, self.params, self.gradient_as_bucket_view
+            copy_to: list[torch.Tensor] = []  # the .grads that exist take the averages in one foreach op
+            copy_from: list[torch.Tensor] = []
             for bucket in self.buckets:
-                self._write_grads(bucket, skip)
+                result = bucket.work.wait()
+                if hook is not None:
+                    if isinstance(result, (list, tuple)):
+                        result = result[0]
+                    if result is not bucket.buffer:
+                        bucket.buffer.copy_(result)
+                for k, i in enumerate(bucket.param_indices):
+                    if i in skip:
+                        continue
+                    param, view = params[i], bucket.views[k]
+                    if as_views:
+                        if param.grad is None or local(param.grad).data_ptr() != view.data_ptr():
+                            param.grad = as_grad(param, view)
+                    elif param.grad is None:
+                        param.grad = as_grad(param, view.clone())
+                    else:  # local(), inlined: once per parameter per step
+                        grad = param.grad
+                        copy_to.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
+                        copy_from.append(view)
+            if copy_to:
+                torch._foreach_copy_(copy_to, copy_from)
             if self._recording and len(self._order) == len(self.params):
                 self._set_rebuild(pending=True, rebuilt=False)
         finally:
@@ -238,6 +239,37 @@ class Reducer(GradientIntake):
             self._divisor_work = None
             # the countdown stays: 1 after the last bucket (the first no_sync gradient re-arms it)
 
+    def _settle_absent(self) -> set[int]:
+        """The parameters without a gradient this backward: reduced as their no_sync sum or
+        zeros (peers wait for their buckets), a first static iteration reduced whole, the
+        globally unused agreed on; returns those whose .grad is left as it is."""
+        first_static = self.static_graph and self._static_counts is None
+        if first_static:  # delayed: every gradient is in, reduce all now
+            for i, count in enumerate(self._counts):
+                self._local_used[i] = int(count > 0)
+                self._fill((i,), zero=count == 0)
+        skip: set[int] = set()
+        if False in self._ready:
+            missing = [i for i, r in enumerate(self._ready) if not r]
+            if self.find_unused_parameters:  # reachable, but no gradient came
+                for i in missing:
+                    self._mark_absent(i)
+            else:
+                names = [self.fqns[i] for i in missing]
+                self._error = unused_message(names, comm.get_rank(self.group), self.static_graph)
+                self._fill(missing, zero=True)  # peers wait for these buckets: send zeros
+                skip.update(missing)
+        if self.find_unused_parameters or first_static:
+            used = torch.tensor(self._local_used, dtype=torch.int32, device=comm.group_device(self.group))
+            comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
+            globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
+            skip |= globally_unused
+            if first_static:
+                self._record_static_graph(globally_unused)
+        elif self._static_counts is not None:
+            skip |= self._static_global_unused
+        return skip
+
     def _record_static_graph(self, globally_unused: set[int]) -> None:
         self._static_counts = list(self._counts)
         self._static_unused = [i for i, c in enumerate(self._counts) if c == 0]
@@ -246,31 +278,6 @@ class Reducer(GradientIntake):
             last = {i: pos for pos, i in enumerate(self._fire_order)}
             self._order = sorted(last, key=last.__getitem__)
             self._order += [i for i in reversed(range(len(self.params))) if i not in last]
-
-    def _write_grads(self, bucket: Bucket, skip: set[int]) -> None:
-        result = bucket.work.wait()
-        if self._hook is not None:
-            if isinstance(result, (list, tuple)):
-                result = result[0]
-            if result is not bucket.buffer:
-                bucket.buffer.copy_(result)
-        copy_to: list[torch.Tensor] = []  # the .grads that exist take the averages in one foreach op
-        copy_from: list[torch.Tensor] = []
-        for k, i in enumerate(bucket.param_indices):
-            if i in skip:
-                continue
-            param, view = self.params[i], bucket.views[k]
-            if self.gradient_as_bucket_view:
-                if param.grad is None or local(param.grad).data_ptr() != view.data_ptr():
-                    param.grad = as_grad(param, view)
-            elif param.grad is None:
-                param.grad = as_grad(param, view.clone())
-            else:  # local(), inlined: once per parameter per step
-                grad = param.grad
-                copy_to.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
-                copy_from.append(view)
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
 
     # -- join ----------------------------------------------------------------------------
 
