@@ -28,11 +28,13 @@ FLOOR = 400  # forward + backward + AdamW of a 2-layer Llama alone makes more ca
 
 # measured (the max over the two ranks) -> bound, about +10%
 BOUNDS = {
-    "DDP": 612,  # 556 (595 before the gradient hooks became C calls and a countdown, a Python
-    #              frame per bucket, and eager pre/post_forward without the dynamo-disable wrapper;
-    #              1064 before the buffer walk and the one-call gradient hook)
-    "replicate": 546,  # 496 (527 before the same; no buffer broadcast: torch's replicate syncs
-    #                    parameters only)
+    "DDP": 574,  # 522 (556 before the bucket all-reduce became a prepared one at the door,
+    #              forward lost its dynamo-disable wrapper frames and the reducer's per-step helpers
+    #              were inlined; 595 before the gradient hooks became C calls and a countdown, a
+    #              Python frame per bucket; 1064 before the buffer walk and the one-call gradient hook)
+    "replicate": 497,  # 452 (496 before the same cuts, and pre/post_forward moved from module hooks
+    #                    into the forward; 527 before the countdown; no buffer broadcast: torch's
+    #                    replicate syncs parameters only)
     "FSDP2": 1795,  # 1630 (2934 before the one-frame DTensor dispatch and the engine's inline loops)
     "FSDP1": 1810,  # 1644 (2946 before, the same two cuts)
     "TP + SP": 8895,  # 8086 (10076 before the one-frame DTensor dispatch)

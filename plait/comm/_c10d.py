@@ -21,3 +21,4 @@ irecv = dist.irecv
 batch_isend_irecv = dist.batch_isend_irecv
 P2POp = dist.P2POp
 ReduceOp = dist.ReduceOp
+AllreduceOptions = dist.AllreduceOptions

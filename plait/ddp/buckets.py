@@ -86,7 +86,8 @@ class Bucket:
         self.views = [self.buffer.narrow(0, o, p.numel()).view(p.shape) for o, p in zip(self.offsets, shards)]
         # per iteration, owned by the reducer
         self.pending = len(params)
-        self.work: object | None = None  # a comm Handle or a torch Future while in flight
+        self.work: object | None = None  # what wait() gives the result: the prepared all-reduce, a comm Handle or a torch Future
+        self.all_reduce: object | None = None  # the reducer's comm.PreparedAllReduce of `buffer`
 
     @property
     def nbytes(self) -> int:

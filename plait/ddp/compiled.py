@@ -49,6 +49,27 @@ def backend_of(callback: Any) -> Callable | None:
     return getattr(debug, _ORIG, None)  # WrapBackendDebug -> the backend itself
 
 
+def not_traced(fn: Callable) -> Callable:
+    """`fn`, skipped by dynamo as `torch.compiler.disable(fn, recursive=False)` skips it: its
+    own frame runs eagerly, frames it calls are still compiled under an active callback, and a
+    trace that reaches a call of it breaks the graph there. Marked on the function itself (what
+    torch._dynamo.skip does, without importing torch._dynamo) rather than wrapped: the wrapper
+    costs 3 Python frames a call (torch._disable_dynamo's lazy import shim, the non-recursive
+    wrapper, its is_exporting check), every forward. Without these C entry points (another
+    torch), the wrapper."""
+    try:
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+    except ImportError:  # pragma: no cover - torch without per-code frame strategies
+        return torch._disable_dynamo(fn, recursive=False)
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+    fn._torchdynamo_disable = True  # the tracer's mark: a call of fn is not inlined (a graph break)
+    return fn
+
+
 class BucketedCompile:
     """torch.compile of one module split at bucket boundaries, once per user backend."""
 
@@ -79,4 +100,4 @@ class BucketedCompile:
         return None if backend is None else self.compiled(fn, backend)
 
 
-__all__ = ["BucketedCompile", "backend_of"]
+__all__ = ["BucketedCompile", "backend_of", "not_traced"]

@@ -23,6 +23,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.distributed import ProcessGroup
 
 from plait import comm
+from plait.ddp.compiled import not_traced
 from plait.ddp.join import Join, JoinHook, _JoinConfig
 from plait.ddp.reducer import Reducer
 from plait.ddp.replica import ReplicaState, bucket_caps
@@ -96,7 +97,7 @@ class DistributedDataParallel(nn.Module):
 
     # Not traced by dynamo (its callees are): under torch.compile the module is compiled in
     # bucket-sized pieces so that all-reduces overlap the compiled backward (ddp/compiled.py).
-    @torch._disable_dynamo(recursive=False)
+    @not_traced
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         callback = get_eval_frame_callback()  # a C call: no frame for dynamo to trace
         module, state = self.module, self._state  # nn.Module.__getattr__ is a frame: once

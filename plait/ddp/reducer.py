@@ -16,12 +16,10 @@
 DTensor parameters (tensor parallel inside data parallel) are reduced on their local
 shards; see shards.py.
 
-The countdown is what keeps backward's host cost at torch's (whose reducer hooks are C++): a
-Python frame per bucket, not per gradient. It counts gradients until the next bucket in launch
-order could be complete (its pending count); the frame then takes in everything that arrived, in
-arrival order, exactly as a per-gradient hook would have, and launches what is complete. Where a
-gradient must be seen as it comes (PREPARED: the first one begins the backward; DTensor
-parameters, whose local_grad may issue a tensor-parallel collective), the countdown is 1.
+Invariant: the phase goes IDLE -> PREPARED -> BACKWARD -> IDLE, and each synced backward
+issues every bucket's collective exactly once, in bucket index order, on every rank (zeros
+for what did not come), so the ranks' collectives always match. The gradient path (hooks,
+countdown, take-in, fill, launch) is intake.py.
 
 In IDLE (no_sync, eval, a second backward) hooks only note use; gradients accumulate in
 `.grad` and the next synced backward reduces the sum. An iteration in which a parameter
@@ -31,31 +29,24 @@ got no gradient without find_unused_parameters still issues every bucket's colle
 
 from __future__ import annotations
 
-import enum
-import functools
-import itertools
-import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
 from plait import comm
-from plait.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, move_grad_views
-from plait.ddp.graph import reachable_params, twice_message, unused_message
-from plait.ddp.shards import as_grad, local, local_grad
+from plait.ddp.buckets import assign_buckets, build_buckets, move_grad_views
+from plait.ddp.graph import reachable_params, unused_message
+from plait.ddp.intake import GradientIntake, Phase, _name
+from plait.ddp.shards import as_grad, local
 from plait.tensor import DTensor
 
-_NOOP = [].clear  # a C callable returning None: a countdown tick that runs no Python
+__all__ = ["Phase", "Reducer"]
+
+_NONE: frozenset[int] = frozenset()  # no parameter skipped: the common end of a backward
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"  # no reduction expected: hooks only record use
-    PREPARED = "prepared"  # a synced forward ran; the next backward reduces
-    BACKWARD = "backward"  # backward running; finalize is queued
-
-
-class Reducer:
+class Reducer(GradientIntake):
     """Reduces the gradients of `named_params` over `group`, bucket by bucket, in backward."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], group: ProcessGroup, *,
@@ -74,8 +65,9 @@ class Reducer:
         self._hook_state: object = None
         self.phase = Phase.IDLE
         self.num_iterations = 0  # synced backward passes finalized (or shadowed while joined)
-        self.has_rebuilt = False
-        self._rebuild_pending = False
+        # has_rebuilt, _rebuild_pending and `_recording` (whether this iteration's ready order is
+        # recorded for the one rebuild): set only by _set_rebuild, so the condition lives there
+        self._set_rebuild(pending=False, rebuilt=False)
         self._order: list[int] = []  # ready order of the iteration being recorded
         self._error: str | None = None
         n = len(self.params)
@@ -87,24 +79,17 @@ class Reducer:
         self._divisor_work = None  # join: a handle whose result is the non-joined count
         self._extra_work: list = []  # handles issued for this iteration, waited at finalize
         self._set_buckets(assign_buckets(self.params, list(reversed(range(n))), self.caps))
-        self._reset_iteration()
-        # The gradient hooks (see the module docstring): `_arrived.append(param)`, then a tick:
-        # next() pops a callable off `_countdown` and calls it, a no-op but for the bottom one,
-        # `_take_in`, which sets the countdown again. All C until the count runs out.
-        self._per_gradient = any(isinstance(p, DTensor) for p in self.params)
-        self._arrived: list[torch.Tensor] = []
-        self._countdown: list[Callable[[], None]] = []
-        self._arm()
-        tick = functools.partial(next, map(operator.call, iter(self._countdown.pop, None)))
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._arrived.append)
-            p.register_post_accumulate_grad_hook(tick)  # (param) -> next(ticks, param) -> None
+        # the iteration's state (_ready, _local_used, _next, _divisor, ...) is set by
+        # prepare_for_backward from IDLE: nothing reads it before a synced forward
+        self._install_hooks()  # intake.py
 
     # -- buckets ------------------------------------------------------------------------
 
     def _set_buckets(self, assignment: list[list[int]]) -> None:
         old = getattr(self, "buckets", [])
         self.buckets = build_buckets(self.params, self.fqns, assignment)
+        for bucket in self.buckets:  # the default reduction, checked once, one frame an issue
+            bucket.all_reduce = comm.prepare_all_reduce(bucket.buffer, group=self.group, op="sum")
         self._where = [(0, 0)] * len(self.params)  # param index -> (bucket, position)
         for bucket in self.buckets:
             for k, i in enumerate(bucket.param_indices):
@@ -112,10 +97,11 @@ class Reducer:
         if self.gradient_as_bucket_view:
             move_grad_views(old, self.buckets)
 
-    @property
-    def _recording(self) -> bool:
-        """Whether this iteration's ready order is being recorded for the one rebuild."""
-        return not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)
+    def _set_rebuild(self, *, pending: bool, rebuilt: bool) -> None:
+        """The rebuild's state, and with it `_recording`: the ready order is recorded until a
+        rebuild is pending or done, and never with find_unused_parameters."""
+        self._rebuild_pending, self.has_rebuilt = pending, rebuilt
+        self._recording = not (rebuilt or pending or self.find_unused_parameters)
 
     def rebuild_buckets(self) -> bool:
         """Once, after the first synced iteration: re-bucket in the order gradients became
@@ -126,8 +112,7 @@ class Reducer:
         comm.broadcast(order, src=0, group=self.group)
         order_list = order.tolist()
         assert sorted(order_list) == list(range(len(self.params))), "ready order is a permutation"
-        self._rebuild_pending = False
-        self.has_rebuilt = True
+        self._set_rebuild(pending=False, rebuilt=True)
         self._set_buckets(assign_buckets(self.params, order_list, self.caps))
         return True
 
@@ -166,26 +151,23 @@ class Reducer:
             self.phase = Phase.IDLE
             self._arm()
 
-    def _reset_iteration(self) -> None:
-        n = len(self.params)
-        self._ready = [False] * n
-        self._local_used = [0] * n  # 1: this rank's gradient goes into the sum
-        self._reachable: set[int] = set()  # find_unused_parameters: used by this iteration's forwards
-        self._next = 0  # the next bucket to launch
-        # the gradients' divisor: the group's size, or (join) the count a notice brings, waited lazily
-        self._divisor: float | None = None if self._divisor_work is not None else float(self.world_size)
-        self._fire_order: list[int] = []  # static graph, first iteration
-        self._counts = [0] * n if self._static_counts is None else list(self._static_counts)
-        if not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters):  # _recording
-            self._order = []
-        for bucket in self.buckets:
-            bucket.pending, bucket.work = len(bucket.params), None
-
     def prepare_for_backward(self, roots: Sequence[torch.Tensor]) -> None:
         if self._arrived:
             self._take_in()  # gradients of the phase before (no_sync's) are that phase's
-        if self.phase is Phase.IDLE:
-            self._reset_iteration()
+        if self.phase is Phase.IDLE:  # a new iteration: its state, reset (set only here)
+            n = len(self.params)
+            self._ready = [False] * n
+            self._local_used = [0] * n  # 1: this rank's gradient goes into the sum
+            self._reachable: set[int] = set()  # find_unused_parameters: used by this iteration's forwards
+            self._next = 0  # the next bucket to launch
+            # the gradients' divisor: the group's size, or (join) the count a notice brings, waited lazily
+            self._divisor: float | None = None if self._divisor_work is not None else float(self.world_size)
+            self._fire_order: list[int] = []  # static graph, first iteration
+            self._counts = [0] * n if self._static_counts is None else list(self._static_counts)
+            if self._recording:
+                self._order = []
+            for bucket in self.buckets:
+                bucket.pending, bucket.work = len(bucket.params), None
         if self.find_unused_parameters and roots:  # several forwards before one backward: the union
             self._reachable |= reachable_params(roots, self._index_of)
         elif self.find_unused_parameters:  # an output pytree cannot see into: find them at the end
@@ -209,184 +191,84 @@ class Reducer:
             self._fill(self._static_unused, zero=True)
         self._arm()
 
-    # -- gradients coming in -------------------------------------------------------------
-
-    def _arm(self) -> None:
-        """Run `_take_in` at the gradient that can first complete the next bucket (its pending
-        count from now); at every gradient where each must be seen as it comes; in IDLE, once
-        a backward's worth has come (noting use waits: every phase change takes in first)."""
-        if self.phase is Phase.BACKWARD:
-            per_gradient = self._per_gradient or self._next >= len(self.buckets)
-            count = 1 if per_gradient else self.buckets[self._next].pending
-        else:
-            count = len(self.params) if self.phase is Phase.IDLE else 1
-        countdown = self._countdown
-        countdown.clear()
-        countdown.append(self._take_in)
-        countdown.extend(itertools.repeat(_NOOP, count - 1))
-
-    def _take_in(self) -> None:
-        """The gradients that arrived since the last call, in arrival order, as a per-gradient
-        hook would have seen each; then the countdown to the next call."""
-        arrived = self._arrived
-        if not arrived:  # a phase change with nothing new (the countdown itself always brings one)
-            if not self._countdown:
-                self._arm()
-            return
-        try:
-            params = arrived[:]
-            arrived.clear()
-            index = map(self._index_of.__getitem__, map(id, params))
-            if self.phase is Phase.BACKWARD and not self.static_graph:  # the common path
-                self._fill(index)
-            elif self.phase is Phase.IDLE:
-                used = self._used_since_sync
-                for i in index:
-                    used[i] = True
-            else:
-                for i in index:
-                    self._arrive(i)
-        finally:
-            self._arm()
-
-    def _arrive(self, i: int) -> None:
-        """One gradient outside the common path (PREPARED, static_graph)."""
-        if self.phase is Phase.IDLE:
-            self._used_since_sync[i] = True
-            return
-        if self.phase is Phase.PREPARED:
-            self.begin_backward()  # the loss did not come through the outputs (a captured tensor)
-        if self.static_graph:
-            if self._static_counts is None:  # first iteration: count, reduce at the end
-                self._counts[i] += 1
-                self._fire_order.append(i)
-                return
-            self._counts[i] -= 1
-            if self._counts[i] > 0:
-                return
-            if self._counts[i] < 0:
-                raise RuntimeError(twice_message(self.fqns[i]))
-        self._fill((i,))
-
-    def _mark_absent(self, i: int) -> None:
-        """A parameter without a gradient this backward: its no_sync accumulation, or zeros."""
-        self._fill((i,), zero=not (self._used_since_sync[i] and self.params[i].grad is not None))
-
-    def _scale(self) -> float:
-        """1 / the number of ranks whose gradients are summed (join: the notice's count, waited
-        when the first bucket launches)."""
-        if self._divisor is None:
-            assert self._divisor_work is not None, "the divisor is the group's size unless join counts"
-            self._divisor = float(self._divisor_work.wait().item())
-        return 1.0 / self._divisor
-
-    def _fill(self, indices: Iterable[int], zero: bool = False) -> None:
-        """Parameters' gradients (or zeros) into their buckets, each complete bucket scaled by
-        1/N and launched as soon as it is, in index order. One frame for many gradients: the
-        loop is the host cost of backward, so it calls no Python helper on the plain-tensor
-        path, and plain gradients are copied by one foreach op before a launch, not one op each."""
-        ready, where, buckets, params, views_are_grads = (
-            self._ready, self._where, self.buckets, self.params, self.gradient_as_bucket_view)
-        record = not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)  # _recording
-        copy_to: list[torch.Tensor] = []
-        copy_from: list[torch.Tensor] = []
-        for i in indices:
-            if ready[i]:
-                raise RuntimeError(twice_message(self.fqns[i]))
-            ready[i] = True
-            b, k = where[i]
-            bucket = buckets[b]
-            view = bucket.views[k]
-            if zero:
-                view.zero_()
-            else:
-                self._local_used[i] = 1
-                param = params[i]
-                if views_are_grads or isinstance(param, DTensor):
-                    # DTensor parameters: the local shard, in the param's placements
-                    grad = local_grad(param) if isinstance(param, DTensor) else param.grad
-                    if not views_are_grads:
-                        view.copy_(grad)
-                    elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
-                        view.copy_(grad)
-                        param.grad = as_grad(param, view) if isinstance(param, DTensor) else view
-                else:
-                    copy_to.append(view)
-                    copy_from.append(param.grad)
-            if record:
-                self._order.append(i)
-            bucket.pending -= 1
-            while self._next < len(buckets) and buckets[self._next].pending == 0:
-                if copy_to:
-                    torch._foreach_copy_(copy_to, copy_from)
-                    copy_to.clear()
-                    copy_from.clear()
-                nxt = buckets[self._next]
-                if self._hook is None:  # a comm hook gets the sum (torch's contract), the default 1/N of it
-                    nxt.buffer.mul_(1.0 / self._divisor if self._divisor is not None else self._scale())
-                nxt.work = self._launch(nxt, nxt.buffer)
-                self._next += 1
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
-
-    def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> object:
-        if self._hook is None:
-            return comm.all_reduce(buffer, group=self.group, op="sum", async_op=True)
-        grad_bucket = GradBucket(bucket, buffer, is_last=bucket.index == len(self.buckets) - 1,
-                                 process_group=self.group)
-        fut = self._hook(self._hook_state, grad_bucket)
-        if not isinstance(fut, torch._C.Future):  # torch.futures.Future, or what .then() returns
-            raise TypeError(f"comm hook {_name(self._hook)} returned {type(fut).__name__}; "
-                            "it must return a torch.futures.Future holding the bucket's tensor")
-        return fut
-
     # -- end of backward -----------------------------------------------------------------
 
     def _finalize(self) -> None:
-        """Every gradient is in: mark what never came, wait the buckets in order, write .grads."""
+        """Every gradient is in: settle what never came, wait the buckets in order, write .grads."""
         assert self.phase is Phase.BACKWARD, self.phase
         try:
             if self._arrived:  # those since the last countdown (none where it ran out at the last bucket)
                 self._take_in()
-            first_static = self.static_graph and self._static_counts is None
-            if first_static:  # delayed: every gradient is in, reduce all now
-                for i, count in enumerate(self._counts):
-                    self._local_used[i] = int(count > 0)
-                    self._fill((i,), zero=count == 0)
-            skip: set[int] = set()  # parameters whose .grad stays as it is
-            if False in self._ready:
-                missing = [i for i, r in enumerate(self._ready) if not r]
-                if self.find_unused_parameters:  # reachable, but no gradient came
-                    for i in missing:
-                        self._mark_absent(i)
-                else:
-                    names = [self.fqns[i] for i in missing]
-                    self._error = unused_message(names, comm.get_rank(self.group), self.static_graph)
-                    self._fill(missing, zero=True)  # peers wait for these buckets: send zeros
-                    skip.update(missing)
-            if self.find_unused_parameters or first_static:
-                used = torch.tensor(self._local_used, dtype=torch.int32, device=comm.group_device(self.group))
-                comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
-                globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
-                skip |= globally_unused
-                if first_static:
-                    self._record_static_graph(globally_unused)
-            elif self._static_counts is not None:
-                skip |= self._static_global_unused
+            skip = (self._settle_absent() if self.find_unused_parameters or self.static_graph or False in self._ready
+                    else _NONE)  # parameters whose .grad stays as it is
             for handle in self._extra_work:
                 handle.wait()
             self._extra_work.clear()
+            # wait each bucket, write its averages: inline, the loop runs once per bucket per step
+            hook, params, as_views = self._hook, self.params, self.gradient_as_bucket_view
+            copy_to: list[torch.Tensor] = []  # the .grads that exist take the averages in one foreach op
+            copy_from: list[torch.Tensor] = []
             for bucket in self.buckets:
-                self._write_grads(bucket, skip)
-            recording = not (self.has_rebuilt or self._rebuild_pending or self.find_unused_parameters)
-            if recording and len(self._order) == len(self.params):  # _recording, inlined: every step
-                self._rebuild_pending = True
+                result = bucket.work.wait()
+                if hook is not None:
+                    if isinstance(result, (list, tuple)):
+                        result = result[0]
+                    if result is not bucket.buffer:
+                        bucket.buffer.copy_(result)
+                for k, i in enumerate(bucket.param_indices):
+                    if i in skip:
+                        continue
+                    param, view = params[i], bucket.views[k]
+                    if as_views:
+                        if param.grad is None or local(param.grad).data_ptr() != view.data_ptr():
+                            param.grad = as_grad(param, view)
+                    elif param.grad is None:
+                        param.grad = as_grad(param, view.clone())
+                    else:  # local(), inlined: once per parameter per step
+                        grad = param.grad
+                        copy_to.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
+                        copy_from.append(view)
+            if copy_to:
+                torch._foreach_copy_(copy_to, copy_from)
+            if self._recording and len(self._order) == len(self.params):
+                self._set_rebuild(pending=True, rebuilt=False)
         finally:
             self.phase = Phase.IDLE
             self.num_iterations += 1
             self._used_since_sync = [False] * len(self.params)
             self._divisor_work = None
             # the countdown stays: 1 after the last bucket (the first no_sync gradient re-arms it)
+
+    def _settle_absent(self) -> set[int]:
+        """The parameters without a gradient this backward: reduced as their no_sync sum or
+        zeros (peers wait for their buckets), a first static iteration reduced whole, the
+        globally unused agreed on; returns those whose .grad is left as it is."""
+        first_static = self.static_graph and self._static_counts is None
+        if first_static:  # delayed: every gradient is in, reduce all now
+            for i, count in enumerate(self._counts):
+                self._local_used[i] = int(count > 0)
+                self._fill((i,), zero=count == 0)
+        skip: set[int] = set()
+        if False in self._ready:
+            missing = [i for i, r in enumerate(self._ready) if not r]
+            if self.find_unused_parameters:  # reachable, but no gradient came
+                for i in missing:
+                    self._mark_absent(i)
+            else:
+                names = [self.fqns[i] for i in missing]
+                self._error = unused_message(names, comm.get_rank(self.group), self.static_graph)
+                self._fill(missing, zero=True)  # peers wait for these buckets: send zeros
+                skip.update(missing)
+        if self.find_unused_parameters or first_static:
+            used = torch.tensor(self._local_used, dtype=torch.int32, device=comm.group_device(self.group))
+            comm.all_reduce(used, group=self.group, op="sum", async_op=True).wait()
+            globally_unused = {i for i, u in enumerate(used.tolist()) if u == 0}
+            skip |= globally_unused
+            if first_static:
+                self._record_static_graph(globally_unused)
+        elif self._static_counts is not None:
+            skip |= self._static_global_unused
+        return skip
 
     def _record_static_graph(self, globally_unused: set[int]) -> None:
         self._static_counts = list(self._counts)
@@ -396,31 +278,6 @@ class Reducer:
             last = {i: pos for pos, i in enumerate(self._fire_order)}
             self._order = sorted(last, key=last.__getitem__)
             self._order += [i for i in reversed(range(len(self.params))) if i not in last]
-
-    def _write_grads(self, bucket: Bucket, skip: set[int]) -> None:
-        result = bucket.work.wait()
-        if self._hook is not None:
-            if isinstance(result, (list, tuple)):
-                result = result[0]
-            if result is not bucket.buffer:
-                bucket.buffer.copy_(result)
-        copy_to: list[torch.Tensor] = []  # the .grads that exist take the averages in one foreach op
-        copy_from: list[torch.Tensor] = []
-        for k, i in enumerate(bucket.param_indices):
-            if i in skip:
-                continue
-            param, view = self.params[i], bucket.views[k]
-            if self.gradient_as_bucket_view:
-                if param.grad is None or local(param.grad).data_ptr() != view.data_ptr():
-                    param.grad = as_grad(param, view)
-            elif param.grad is None:
-                param.grad = as_grad(param, view.clone())
-            else:  # local(), inlined: once per parameter per step
-                grad = param.grad
-                copy_to.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
-                copy_from.append(view)
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
 
     # -- join ----------------------------------------------------------------------------
 
@@ -439,8 +296,4 @@ class Reducer:
         self.num_iterations += 1
         if self._recording:  # rebuild when the others do (everyone takes rank 0's order)
             self._order = [i for b in self.buckets for i in b.param_indices]
-            self._rebuild_pending = True
-
-
-def _name(hook: Callable) -> str:
-    return getattr(hook, "__qualname__", None) or repr(hook)
+            self._set_rebuild(pending=True, rebuilt=False)

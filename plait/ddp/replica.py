@@ -130,13 +130,18 @@ class ReplicaState(Joinable):
     def post_forward(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
-            self.reducer.prepare_for_backward(watch_outputs(output, self.reducer.begin_backward))
+            reducer = self.reducer
+            if type(output) is torch.Tensor and output.grad_fn is not None:  # watch_outputs' common case, inline
+                output.grad_fn.register_prehook(reducer.begin_backward)
+                reducer.prepare_for_backward([output])
+            else:
+                reducer.prepare_for_backward(watch_outputs(output, reducer.begin_backward))
         else:
             self.require_forward_param_sync = False
         return output
 
-    # The two above without their disable wrapper (4 frames a call), for DDP.forward when it
-    # knows no compile callback is active; `replicate`'s module hooks cannot know, so keep it.
+    # The two above without their disable wrapper (4 frames a call), for DDP.forward and a
+    # replicated module's forward when they know no compile callback is active.
     _pre_forward = pre_forward.__wrapped__
     _post_forward = post_forward.__wrapped__
 

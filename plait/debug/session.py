@@ -29,7 +29,7 @@ import torch.distributed as dist
 from plait.comm import events, shutdown
 from plait.debug import channel, trace, triggers, wrap
 from plait.debug import dump as dumps
-from plait.debug.callsite import call_site, stack
+from plait.debug.callsite import stack, user_frame
 from plait.debug.check import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -62,7 +62,8 @@ class Session(events.CommListener):
     def on_start(self, event: events.CommEvent) -> None:
         if self.signal_pending:
             self._route_signal()
-        site = call_site(1)
+        frame = user_frame(sys._getframe(1))  # call_site(1), inline: once per op
+        site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
         trail = stack(1) if self.config.stacks else None
         if not self.wants_end:  # the recorder alone: no check, so the op starts as it is issued
             self.recorder.record(event, site, trail, event.start_ns)

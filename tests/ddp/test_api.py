@@ -4,6 +4,8 @@ Comparisons here are exact (broadcasts copy bits) except the sub-group parity, w
 test_parity's tolerances for test_parity's reasons.
 """
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -133,3 +135,38 @@ def test_user_errors():
         ddp(torch.randn(1, 2)).sum().backward()
     with pytest.raises(TypeError, match="callable"):
         DistributedDataParallel(nn.Linear(2, 2)).register_comm_hook(None, 3)
+
+
+@distributed([2])
+def test_replicate_runs_around_the_module_forward_its_hooks_and_an_instance_forward():
+    """pre/post_forward run inside a replicated module's forward: the module's own hooks run
+    outside them (a pre-hook's new input and a forward hook's new output are what trains); a
+    module whose instance carries its own forward gets them as hooks. Either way the
+    gradients are the average over ranks of the same loss (parity, test_parity's tolerances)."""
+    g, rank, n = world()
+    for variant in ("hooks", "instance forward"):
+        model, ref = build("mlp", seed=rank), build("mlp", seed=0)
+        if variant == "hooks":
+            for m in (model, ref):  # before replicate for one, after for the other: both run outside
+                m.register_forward_pre_hook(lambda _m, args: (args[0] * 2,))
+            replicate(model)
+            for m in (model, ref):
+                m.register_forward_hook(lambda _m, _args, out: out + 1)
+        else:
+            for m in (model, ref):  # the class's forward, captured before replicate changes the class
+                m.forward = functools.partial(_tripled, type(m).forward, m)
+            replicate(model)
+            assert replicate_state(model).forward is not None
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = batch("mlp", step, n * PER_RANK)
+            loss_fn("mlp", model(x[rank * PER_RANK:(rank + 1) * PER_RANK]), y[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
+            loss_fn("mlp", ref(x), y).backward()
+            assert_synced(model.fc1.weight.grad, g)
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        assert_params_close(model, ref, atol=2e-5, rtol=1e-4, what=variant)
+
+
+def _tripled(forward, module, x):
+    return forward(module, x) * 3

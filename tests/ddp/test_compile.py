@@ -6,7 +6,7 @@ What is measured, on 2 ranks, a 3-layer MLP (tests/ddp/common.py) with a bucket 
 enough that each layer is a bucket of its own (and a piece of the split graph):
 
 - graph breaks (torch._dynamo.utils.counters["graph_break"]): every break names plait's
-  wrapper (DistributedDataParallel.forward, ReplicaState.pre/post_forward), none the
+  wrapper (DistributedDataParallel.forward, _Replicated.forward, ReplicaState.pre/post_forward), none the
   model, the model is one dynamo graph, and there are no more breaks than torch's own
   DDP gives for the same model in the same test;
 - warnings (warnings.catch_warnings and the "torch" logger at WARNING): none;
@@ -41,7 +41,8 @@ from tests.log_records import WarningRecords
 STEPS = 3
 CAP_MB = 100 / 2**20  # 100 bytes: each Linear (>= 156 bytes) closes a bucket of its own
 TOL = dict(atol=1e-6, rtol=1e-6)
-PLAIT_WRAPPERS = ("DistributedDataParallel.forward", "ReplicaState.pre_forward", "ReplicaState.post_forward")
+PLAIT_WRAPPERS = ("DistributedDataParallel.forward", "_Replicated.forward", "ReplicaState.pre_forward",
+                  "ReplicaState.post_forward")
 
 
 def _logging_backend(log: list) -> object:
