@@ -32,6 +32,7 @@ eager cannot be one graph anyway, as with torch's DDP).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,14 +50,16 @@ def backend_of(callback: Any) -> Callable | None:
     return getattr(debug, _ORIG, None)  # WrapBackendDebug -> the backend itself
 
 
-def not_traced(fn: Callable) -> Callable:
-    """`fn`, skipped by dynamo as `torch.compiler.disable(fn, recursive=False)` skips it: its
-    own frame runs eagerly, frames it calls are still compiled under an active callback, and a
-    trace that reaches a call of it breaks the graph there. Marked on the function itself (what
-    torch._dynamo.skip does, without importing torch._dynamo) rather than wrapped: the wrapper
-    costs 3 Python frames a call (torch._disable_dynamo's lazy import shim, the non-recursive
-    wrapper, its is_exporting check), every forward. Without these C entry points (another
-    torch), the wrapper."""
+def not_traced(fn: Callable | None = None, *, recursive: bool = False) -> Callable:
+    """`fn`, skipped by dynamo as `torch.compiler.disable(fn, recursive=recursive)` skips it:
+    its own frame runs eagerly (recursive: the frames it calls too; otherwise they are still
+    compiled under an active callback), and a trace that reaches a call of it breaks the graph
+    there. Marked on the function itself (what torch._dynamo.skip does, without importing
+    torch._dynamo) rather than wrapped: the wrapper costs 3 Python frames a call
+    (torch._disable_dynamo's lazy import shim, the wrapper, its is_exporting check), every
+    forward. Without these C entry points (another torch), the wrapper."""
+    if fn is None:
+        return functools.partial(not_traced, recursive=recursive)
     try:
         from torch._C._dynamo.eval_frame import (
             _FrameAction,
@@ -64,8 +67,9 @@ def not_traced(fn: Callable) -> Callable:
             set_code_exec_strategy,
         )
     except ImportError:  # pragma: no cover - torch without per-code frame strategies
-        return torch._disable_dynamo(fn, recursive=False)
-    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+        return torch._disable_dynamo(fn, recursive=recursive)
+    callees = _FrameAction.SKIP if recursive else _FrameAction.DEFAULT
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, callees))
     fn._torchdynamo_disable = True  # the tracer's mark: a call of fn is not inlined (a graph break)
     return fn
 

@@ -101,11 +101,8 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         callback = get_eval_frame_callback()  # a C call: no frame for dynamo to trace
         module, state = self.module, self._state  # nn.Module.__getattr__ is a frame: once
-        if not callback:  # eager: no frame of this thread goes to dynamo, so no disable wrapper
-            inputs, kwargs = state._pre_forward(module, inputs, kwargs)
-            return state._post_forward(module, inputs, module(*inputs, **kwargs))
         inputs, kwargs = state.pre_forward(module, inputs, kwargs)
-        run = state.compile.compiled_for(module, callback)
+        run = state.compile.compiled_for(module, callback) if callback else None
         if run is None:
             run = module
         return state.post_forward(module, inputs, run(*inputs, **kwargs))

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from plait import comm
 from plait.ddp import shards, sync
 from plait.ddp.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MiB
-from plait.ddp.compiled import BucketedCompile
+from plait.ddp.compiled import BucketedCompile, not_traced
 from plait.ddp.graph import watch_outputs
 from plait.ddp.join import Join, Joinable, JoinHook
 from plait.ddp.reducer import Phase, Reducer
@@ -98,9 +98,9 @@ class ReplicaState(Joinable):
 
     # Both run eager even when the forward is compiled: bookkeeping (hooks, handles, the
     # door's events) has nothing to give a graph, and traced it would break the graph.
-    # `replicate` registers them as the module's hooks themselves (hence the signatures):
-    # no wrapper frame per forward.
-    @torch._disable_dynamo
+    # `replicate` registers them as the module's hooks themselves (hence the signatures), and
+    # dynamo skips them by a mark, not a wrapper: no wrapper frame per forward.
+    @not_traced(recursive=True)
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # Every forward: each step below is called only where it has work (its guard is the
         # first test it makes), so a plain step makes no frame that returns at once.
@@ -126,7 +126,7 @@ class ReplicaState(Joinable):
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs))
         return args, kwargs
 
-    @torch._disable_dynamo
+    @not_traced(recursive=True)
     def post_forward(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -139,11 +139,6 @@ class ReplicaState(Joinable):
         else:
             self.require_forward_param_sync = False
         return output
-
-    # The two above without their disable wrapper (4 frames a call), for DDP.forward and a
-    # replicated module's forward when they know no compile callback is active.
-    _pre_forward = pre_forward.__wrapped__
-    _post_forward = post_forward.__wrapped__
 
     def will_sync_module_buffers(self) -> bool:
         # torch's rule: whether the module had buffers when wrapped (sync_buffers looks them up again)

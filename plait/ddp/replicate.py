@@ -1,18 +1,13 @@
 """replicate: data parallel as a change to the module, not a wrapper around it.
 
     replicate(model)  -> ReplicaState (shapes checked, parameters from rank 0, buckets)
-                      -> model's class becomes Replicate<Cls>: its forward is
-                         pre_forward -> the model's own forward -> post_forward, and it adds
+                      -> forward pre-hook: pre_forward; forward hook: post_forward (as
+                         torch's replicate registers them: a user's hooks run before or after
+                         them in the order registered)
+                      -> model's class becomes Replicate<Cls>: adds
                          set_requires_gradient_sync, no_sync, register_comm_hook, join
     model(x)          -> exactly DistributedDataParallel's iteration
     model.state_dict() -> the module's own keys: nothing was wrapped
-
-pre_forward and post_forward run inside the module's forward, not as its forward hooks
-(torch's replicate uses hooks): the module's own hooks, whenever registered, run outside
-them, as a wrapped module's hooks run inside DistributedDataParallel's forward. Not hooks,
-they need no dynamo-disable wrapper in eager; dynamo skips the forward around them (its
-compile path calls their wrapped forms). A module whose instance carries its own `forward`,
-which shadows the class's, gets them as hooks instead.
 
 On an N-D mesh pass the 1-D data-parallel axis (`device_mesh=mesh["dp"]`). Unlike torch's
 `replicate`, it syncs the parameters at once (not at the first forward). Buffers are never
@@ -47,20 +42,14 @@ class _Replicated:
 
     # Not traced by dynamo: under torch.compile the module's own forward is compiled in
     # bucket-sized pieces so that all-reduces overlap the compiled backward (ddp/compiled.py).
-    # pre_forward and post_forward run here, not as module hooks: in eager (no compile
-    # callback) without their dynamo-disable wrappers, as in DistributedDataParallel.forward.
     @not_traced
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         callback = get_eval_frame_callback()  # a C call: no frame for dynamo to trace
         state = self.__dict__[_STATE]
-        if not callback:  # eager: no frame of this thread goes to dynamo, so no disable wrapper
-            args, kwargs = state._pre_forward(self, args, kwargs)
-            return state._post_forward(self, args, state.forward(*args, **kwargs))
-        args, kwargs = state.pre_forward(self, args, kwargs)
-        run = state.compile.compiled_for(state.forward, callback)
+        run = state.compile.compiled_for(state.forward, callback) if callback else None
         if run is None:
             run = state.forward
-        return state.post_forward(self, args, run(*args, **kwargs))
+        return run(*args, **kwargs)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: the following backward passes accumulate gradients without communication."""
@@ -144,9 +133,8 @@ def replicate(
     )
     module.__dict__[_STATE] = state  # not a submodule or parameter: the state dict is unchanged
     state.forward = module.forward  # its own forward (an instance override included), before the class changes
-    if "forward" in module.__dict__:  # an instance's own forward shadows the class's: hooks around it
-        module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
-        module.register_forward_hook(state.post_forward)
+    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
     cls = type(module)
     module.__class__ = type(f"Replicate{cls.__name__}", (_Replicated, cls), {})
     return module

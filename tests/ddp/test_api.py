@@ -138,20 +138,50 @@ def test_user_errors():
 
 
 @distributed([2])
-def test_replicate_runs_around_the_module_forward_its_hooks_and_an_instance_forward():
-    """pre/post_forward run inside a replicated module's forward: the module's own hooks run
-    outside them (a pre-hook's new input and a forward hook's new output are what trains); a
-    module whose instance carries its own forward gets them as hooks. Either way the
-    gradients are the average over ranks of the same loss (parity, test_parity's tolerances)."""
+def test_replicate_hooks_sit_among_a_module_s_own_as_torch_s_do_and_train_the_same():
+    """replicate registers pre_forward and post_forward as the module's hooks when it is
+    called, as torch's replicate does: a user's hooks registered before run before them, those
+    registered after run after (the hook lists are compared with torch's replicate's on the
+    same model). Hooks that change the input and the output, and a module whose instance
+    carries its own forward, train to the average over ranks of the same loss (parity,
+    test_parity's tolerances)."""
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+
     g, rank, n = world()
+
+    def kinds(m):
+        mine = {id(h) for h in (pre_before, pre_after, post_before, post_after)}
+        return ([("user" if id(h) in mine else "replicate") for h in m._forward_pre_hooks.values()],
+                [("user" if id(h) in mine else "replicate") for h in m._forward_hooks.values()])
+
+    def pre_before(_m, args):
+        return (args[0] * 2,)
+
+    def pre_after(_m, args):
+        return (args[0] - 1,)
+
+    def post_before(_m, _args, out):
+        return out + 1
+
+    def post_after(_m, _args, out):
+        return out * 0.5
+
+    orders = []
+    for apply in (replicate, torch_replicate):
+        m = build("mlp", seed=0)
+        m.register_forward_pre_hook(pre_before), m.register_forward_hook(post_before)
+        apply(m)
+        m.register_forward_pre_hook(pre_after), m.register_forward_hook(post_after)
+        orders.append(kinds(m))
+    assert orders[0] == orders[1] == (["user", "replicate", "user"], ["user", "replicate", "user"]), orders
     for variant in ("hooks", "instance forward"):
         model, ref = build("mlp", seed=rank), build("mlp", seed=0)
         if variant == "hooks":
-            for m in (model, ref):  # before replicate for one, after for the other: both run outside
-                m.register_forward_pre_hook(lambda _m, args: (args[0] * 2,))
+            for m in (model, ref):
+                m.register_forward_pre_hook(pre_before), m.register_forward_hook(post_before)
             replicate(model)
             for m in (model, ref):
-                m.register_forward_hook(lambda _m, _args, out: out + 1)
+                m.register_forward_pre_hook(pre_after), m.register_forward_hook(post_after)
         else:
             for m in (model, ref):  # the class's forward, captured before replicate changes the class
                 m.forward = functools.partial(_tripled, type(m).forward, m)
