@@ -1,6 +1,11 @@
 """Run several README examples in one `plait run` launch, each as its own script in a fork.
 
     plait run --standalone --nproc-per-node 2 readme_driver.py comm.py ddp.py ...
+    plait run --standalone --nproc-per-node 2 readme_driver.py dcp::fsdp2.py::--dcp-api dcp::fsdp2.py::--dcp-api
+
+A plain PATH runs in ./<its stem>/ with no arguments; NAME::PATH::ARG::... runs in ./NAME/ with
+sys.argv [PATH, ARG, ...], so that two runs of one script can share a folder (a second that
+resumes from the first's checkpoint: tests/examples/test_torch_examples.py).
 
 tests/test_readme.py launches this once per rank count instead of once per example: a worker
 that starts pays `import torch` and `torch._dynamo` (~3 CPU s) and the interpreter's exit-time
@@ -47,7 +52,15 @@ def _agent_store() -> TCPStore:
     return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=TIMEOUT)
 
 
-def _run_child(index: int, path: str) -> None:
+def _spec(arg: str) -> tuple[str, str, list[str]]:
+    """NAME::PATH::ARG... or PATH (NAME its stem, no arguments) -> (name, path, args)."""
+    if "::" not in arg:
+        return os.path.splitext(os.path.basename(arg))[0], arg, []
+    name, path, *args = arg.split("::")
+    return name, path, args
+
+
+def _run_child(index: int, name: str, path: str, args: list[str]) -> None:
     """In the fork: host (rank 0) or find this example's store, run the example, wait at exit
     until every rank's example is done before rank 0's store goes away."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, _SIGKILL)
@@ -65,21 +78,20 @@ def _run_child(index: int, path: str) -> None:
             agent.wait([f"{key}/done/{r}" for r in range(WORLD)])
 
     atexit.register(done)
-    name = os.path.splitext(os.path.basename(path))[0]
     os.makedirs(name, exist_ok=True)
     os.chdir(name)
-    sys.argv = [path]
+    sys.argv = [path, *args]
     sys.path[0] = os.path.dirname(path)  # what `python example.py` puts first
     runpy.run_path(path, run_name="__main__")
 
 
-def main(paths: list[str]) -> None:
+def main(specs: list[str]) -> None:
     gc.freeze()  # torch's objects: shared with the children, never walked by their exit-time GC
-    for index, path in enumerate(paths):
-        name = os.path.splitext(os.path.basename(path))[0]
+    for index, spec in enumerate(specs):
+        name, path, args = _spec(spec)
         pid = os.fork()
         if pid == 0:
-            _run_child(index, os.path.abspath(path))
+            _run_child(index, name, os.path.abspath(path), args)
             sys.exit(0)  # the normal exit a script has (an exception propagates the same way)
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         print(f"README example {name}: rank {RANK} exit {code}", flush=True)

@@ -7,12 +7,17 @@ tests/readme_driver.py runs each example as its own script in a fork of the work
 launcher's RANK/WORLD_SIZE and a fresh rendezvous store. Every example must exit 0 on every
 rank. Ten launches of their own cost 113-152 CPU s (30 workers, each importing torch and
 torch._dynamo and walking their objects at exit); these three cost 57-78 (load 4-20, shared).
+The 2-rank launch also runs tests/comm/test_exit.py's module-level-groups script, which that
+file asserts (`plait_run_failures`, run once for both files: a launch of its own was 3 more
+interpreters that import torch).
 """
 
+import functools
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +52,24 @@ def readme_jobs() -> dict[str, tuple[str, int]]:
     }
 
 
-def test_readme_examples_run_under_plait_run(tmp_path):
-    failures = _run(readme_jobs(), tmp_path)
+@functools.cache
+def plait_run_failures() -> dict[str, str]:
+    """name -> output, for each README example and tests/comm/test_exit.py's module-level-groups
+    script that did not exit 0 on every rank under plait run (`_run`, one launch per rank count);
+    run once, asserted by both files."""
+    # imported here, not at the top: test_exit imports this file
+    from tests.comm.test_exit import MODULE_LEVEL_GROUPS
+
+    jobs = {**readme_jobs(), "module_level_groups": (MODULE_LEVEL_GROUPS, 2)}
+    _where.append(tempfile.TemporaryDirectory(prefix="plait_readme_"))  # removed when pytest exits
+    return _run(jobs, Path(_where[-1].name))
+
+
+_where: list[tempfile.TemporaryDirectory] = []
+
+
+def test_readme_examples_run_under_plait_run():
+    failures = {name: out for name, out in plait_run_failures().items() if name in readme_jobs()}
     assert not failures, "\n".join(f"--- README example {n!r} failed:\n{o[-3000:]}" for n, o in failures.items())
 
 

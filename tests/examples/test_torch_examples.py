@@ -6,7 +6,7 @@ scripts/fsdp_tp.py follows pytorch/examples distributed/tensor_parallelism/fsdp_
 rank its own init) and scripts/fsdp2.py follows distributed/FSDP2/example.py + checkpoint.py
 (meta init, a full state dict loaded by set_model_state_dict broadcast from rank 0 with
 --dcp-api or by distribute_tensor + load_state_dict(assign=True) without, train, save full
-state dicts from rank 0, a second launch resumes). They are plait's own files written to
+state dicts from rank 0, a second run resumes). They are plait's own files written to
 those flows, not copies of the examples' sources. The torch copy is the file with its
 `from plait.X` import lines turned into `from torch.distributed.X` (`torch_copy`, which
 checks that nothing else differs). torch's DTensor never meets SDPA here: the Llama's
@@ -18,7 +18,12 @@ the same float32 terms in other orders (reduce-scatter, all-reduce); measured: F
 output sums equal to all 10 printed digits for 10 steps, FSDP2 losses within 1.1e-7
 relative over 10 steps of Adam (lr 1e-2, clipped) and a resume. A resumed run equals plait's
 uninterrupted run exactly (the same shards, the same state, the same order of reduction);
-one uninterrupted run, under --dcp-api, serves both APIs (the `uninterrupted` fixture).
+one uninterrupted run, under --dcp-api, serves both APIs.
+
+The fsdp2 runs (per API a first and a resuming run, per library; plait's uninterrupted run) are
+forks of one launch per library through tests/readme_driver.py (the `fsdp2_runs` fixture): a
+fork finalizes as a fresh interpreter, and torch is imported by 2 workers per library instead of
+2 per run (9 launches of 3 interpreters were 2).
 """
 
 import os
@@ -32,6 +37,7 @@ import pytest
 import torch
 
 SCRIPTS = Path(__file__).parent / "scripts"
+DRIVER = Path(__file__).resolve().parents[1] / "readme_driver.py"
 TORCH_MODULES = ("device_mesh", "fsdp", "tensor", "checkpoint")
 LAUNCHERS = {"plait": [sys.executable, "-m", "plait.run"], "torch": [sys.executable, "-m", "torch.distributed.run"]}
 NUMBER = r"(-?[0-9.]+e[-+][0-9]+)"
@@ -91,35 +97,60 @@ def test_fsdp_tp_example_has_torchs_placements_and_numbers(tmp_path):
     _assert_close(sums["plait"], sums["torch"])
 
 
+def _driven(lib: str, cwd: Path, ranks: int, runs: list[tuple[str, Path, list[str]]]) -> list[dict]:
+    """Each run (folder, script, args) in order, as its own fork of one launch of
+    tests/readme_driver.py (a fork finalizes as a fresh interpreter; torch is imported once per
+    rank, not once per run); -> each run's losses, (rank, step) -> loss. A rank's lines come in
+    order, and the driver prints "README example NAME: rank R exit 0" after each of its runs,
+    so a rank's loss lines belong to the run of as many of its exit lines as came before."""
+    specs = ["::".join([name, str(script), *args]) for name, script, args in runs]
+    out = _launch(lib, DRIVER, cwd, ranks, *specs)
+    losses: list[dict] = [{} for _ in runs]
+    exits = dict.fromkeys(range(ranks), 0)
+    for line in out.splitlines():
+        if m := re.search(r"README example \S+: rank (\d+) exit (-?\d+)", line):
+            assert m[2] == "0", out[-4000:]
+            exits[int(m[1])] += 1
+        elif m := re.search(rf"rank (\d+) step (\d+) loss {NUMBER}", line):
+            losses[exits[int(m[1])]][int(m[1]), int(m[2])] = float(m[3])
+    assert exits == dict.fromkeys(range(ranks), len(runs)), out[-4000:]
+    return losses
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
-    """plait's fsdp2 losses over 10 steps in one launch (--dcp-api), shared by both APIs' tests:
-    the pretrained model loads to the same shards either way, so each API's resumed run must
-    equal this one exactly (one launch of 2 ranks for both, not one each)."""
-    cwd = tmp_path_factory.mktemp("uninterrupted")
-    script = _scripts(cwd, "fsdp2.py")["plait"]
-    return _numbers(_launch("plait", script, cwd, 2, "--dcp-api", "--steps", "10"), "loss")
+def fsdp2_runs(tmp_path_factory) -> dict:
+    """Both APIs' train-then-resume runs, plait's and torch's, and plait's uninterrupted run:
+    one launch per library (plait's and torch's side by side), each run a fork of it.
+
+    lib -> api -> (the two runs' losses, the folder they ran in); "uninterrupted" -> plait's
+    fsdp2 losses over 10 steps under --dcp-api, shared by both APIs' tests: the pretrained model
+    loads to the same shards either way, so each API's resumed run must equal this one exactly."""
+    cwd = tmp_path_factory.mktemp("fsdp2")
+    scripts = _scripts(cwd, "fsdp2.py")
+    apis = {"--dcp-api": ["--dcp-api"], "--dtensor-api": []}
+
+    def runs(lib):  # per API: the first trains steps 0-4 and saves; the second finds checkpoints/<api>/5, resumes
+        plan = [(f"{lib}_{api[2:]}", scripts[lib], flags) for api, flags in apis.items() for _ in range(2)]
+        if lib == "plait":
+            plan.append(("uninterrupted", scripts[lib], ["--dcp-api", "--steps", "10"]))
+        return _driven(lib, cwd, 2, plan)
+
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(scripts, pool.map(runs, scripts)))
+    result = {lib: {api: ({**done[lib][2 * i], **done[lib][2 * i + 1]}, cwd / f"{lib}_{api[2:]}")
+                    for i, api in enumerate(apis)} for lib in scripts}
+    result["uninterrupted"] = done["plait"][4]
+    return result
 
 
 @pytest.mark.parametrize("api", ["--dcp-api", "--dtensor-api"])
-def test_fsdp2_example_resumes_to_torchs_numbers(tmp_path, api, uninterrupted):
-    scripts = _scripts(tmp_path, "fsdp2.py")
-    flags = [api] if api == "--dcp-api" else []
-
-    def two_launches(lib):
-        cwd = tmp_path / lib
-        cwd.mkdir()
-        first = _launch(lib, scripts[lib], cwd, 2, *flags)  # trains steps 0-4, saves
-        second = _launch(lib, scripts[lib], cwd, 2, *flags)  # finds checkpoints/<api>/5, resumes
-        return {**_numbers(first, "loss"), **_numbers(second, "loss")}
-
-    with ThreadPoolExecutor(2) as pool:
-        losses = dict(zip(scripts, pool.map(two_launches, scripts)))
-    assert sorted(losses["torch"]) == [(r, s) for r in range(2) for s in range(10)]
-    _assert_close(losses["plait"], losses["torch"])
-    folder = "dcp_api" if flags else "dtensor_api"
-    ours, theirs = (torch.load(tmp_path / lib / "checkpoints" / folder / "10" / "model.pt") for lib in scripts)
-    assert ours.keys() == theirs.keys()
-    for fqn, value in theirs.items():
-        torch.testing.assert_close(ours[fqn], value, rtol=1e-4, atol=1e-5, msg=lambda m, f=fqn: f"{f}: {m}")
-    assert uninterrupted == losses["plait"]
+def test_fsdp2_example_resumes_to_torchs_numbers(api, fsdp2_runs):
+    (ours, our_dir), (theirs, their_dir) = fsdp2_runs["plait"][api], fsdp2_runs["torch"][api]
+    assert sorted(theirs) == [(r, s) for r in range(2) for s in range(10)]
+    _assert_close(ours, theirs)
+    folder = "dcp_api" if api == "--dcp-api" else "dtensor_api"
+    ours_sd, theirs_sd = (torch.load(d / "checkpoints" / folder / "10" / "model.pt") for d in (our_dir, their_dir))
+    assert ours_sd.keys() == theirs_sd.keys()
+    for fqn, value in theirs_sd.items():
+        torch.testing.assert_close(ours_sd[fqn], value, rtol=1e-4, atol=1e-5, msg=lambda m, f=fqn: f"{f}: {m}")
+    assert fsdp2_runs["uninterrupted"] == ours

@@ -26,7 +26,7 @@ from plait.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_
 from plait.testing import distributed
 from tests.fsdp.common import assert_full_params_close, assert_grads_close, make_opt
 
-STEPS = 10
+STEPS = 4
 BATCH = 8
 
 

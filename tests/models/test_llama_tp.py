@@ -1,6 +1,6 @@
 """The Llama decoder under its canonical tensor-parallel plan trains like one process.
 
-Parity: 5 AdamW steps of the parallelized model and of a single-process copy (same seed,
+Parity: 3 AdamW steps of the parallelized model and of a single-process copy (same seed,
 same tokens): the loss every step and every parameter's full_tensor() at the end, at tp
 1, 2, 4 ("tiny": 8 heads, 4 KV heads) and 3 ("tiny3": 6 and 3), TP alone and TP+SP,
 untied and tied output, fp32 and bf16; logits sharded on the vocabulary through
@@ -10,9 +10,11 @@ sent.
 
 Tolerances, on the loss every step and on each parameter in two parts: every element
 within a bound, and all but a small fraction of the elements within a tight tolerance.
-fp32: loss atol 1e-6, rtol 1e-5; parameters: every element within 1e-3 (2% of the
-5e-2 that five AdamW steps of lr 1e-2 can move a weight), 95% of them within atol 1e-5,
-rtol 1e-4. The sharded contractions (wq..w2, the vocabulary softmax) add the same terms
+fp32: loss atol 1e-6, rtol 1e-5; parameters: every element within 1e-3 (a tenth of what
+one AdamW step of lr 1e-2 can move a weight), 95% of them within atol 1e-5, rtol 1e-4.
+Three steps (five until this was measured as the suite's largest pool cost): from step 2
+every step runs the same code with AdamW state; the bounds and the figures below were set
+and measured for five steps, whose reordering error is the larger. The sharded contractions (wq..w2, the vocabulary softmax) add the same terms
 in another order (~1e-7 relative), and AdamW turns a gradient made of nearly cancelling
 terms into an update decided by those last bits: the single-process model trained with
 an algebraically equal loss formula (log-softmax by hand instead of F.cross_entropy)
@@ -36,7 +38,7 @@ from plait.tensor import DTensor
 from plait.tensor.parallel import loss_parallel, parallelize_module
 from plait.testing import distributed
 
-STEPS = 5
+STEPS = 3
 SEQ = 12  # divisible by 1, 2, 3, 4: the sequence shards evenly under SP
 FP32 = dict(loss=dict(atol=1e-6, rtol=1e-5), param=dict(atol=1e-5, rtol=1e-4), outliers=5e-2,
             bound=dict(atol=1e-3, rtol=1e-4))

@@ -4,9 +4,10 @@ another layout — FSDP 4 (data-parallel degree 2 -> 4, no TP, no pipeline), or 
 on the new dp degree without repeating or skipping a sample; the exported safetensors model
 holds the full tensors.
 
-The 8-rank run trains 10 steps saving every 5 (async) and at the end; the step-10 checkpoint is
-then removed, as if the job had died after step 5, so the 4-rank run finds step 5 as the latest
-complete checkpoint. Tolerance: the parity tests' (rtol/atol 1e-5), the same float32 sums in
+The 8-rank run (once, a module fixture; each layout resumes from its own copy of the run folder)
+trains 10 steps saving every 5 (async) and at the end; the step-10 checkpoint is then removed,
+as if the job had died after step 5, so the 4-rank run finds step 5 as the latest complete
+checkpoint. Tolerance: the parity tests' (rtol/atol 1e-5), the same float32 sums in
 another order; the resumed state itself is exact (model, AdamW moments, step, data position).
 """
 
@@ -27,20 +28,32 @@ from tests.train.test_parity import TOL, reference
 CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "5"]
 
 
+@pytest.fixture(scope="module")
+def saved_on_8_ranks():
+    """The 8-rank run, once for both resume layouts (the same overrides, so the same run): its
+    losses equal the 1-rank run's, it saved steps 5 and 10, and step 10 is removed."""
+    job = tempfile.mkdtemp(prefix="plait-resume-saved-")
+    try:
+        first = run_distributed(run_tiny, [*CKPT, "--parallel.dp_shard", "2", "--parallel.tp", "2",
+                                           "--parallel.pp", "2"], job, world_size=8)[0]
+        torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(reference()["losses"]), **TOL)
+        folder = Path(job) / "checkpoints"
+        assert sorted(p.name for p in folder.iterdir()) == ["step-000005", "step-000010"]
+        shutil.rmtree(folder / "step-000010")
+        yield job
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
 @pytest.mark.parametrize("resume_layout", [
     ["--parallel.dp_shard", "4", "--checkpoint.export-safetensors"],
     ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.dp_shard", "1"],
 ], ids=["fsdp4", "tp_x_pp"])
-def test_save_on_8_ranks_resume_on_4_with_another_layout(resume_layout):
+def test_save_on_8_ranks_resume_on_4_with_another_layout(saved_on_8_ranks, resume_layout):
     ref = reference()
     job = tempfile.mkdtemp(prefix="plait-resume-")
     try:
-        first = run_distributed(run_tiny, [*CKPT, "--parallel.dp_shard", "2", "--parallel.tp", "2",
-                                           "--parallel.pp", "2"], job, world_size=8)[0]
-        torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(ref["losses"]), **TOL)
-        folder = Path(job) / "checkpoints"
-        assert sorted(p.name for p in folder.iterdir()) == ["step-000005", "step-000010"]
-        shutil.rmtree(folder / "step-000010")
+        shutil.copytree(saved_on_8_ranks, job, dirs_exist_ok=True)  # each layout resumes its own copy
         resumed = run_distributed(run_tiny, [*CKPT, *resume_layout], job, world_size=4)
         for got in resumed:
             assert got["start"] == 5
