@@ -32,9 +32,9 @@ BOUNDS = {
     #              forward lost its dynamo-disable wrapper frames and the reducer's per-step helpers
     #              were inlined; 595 before the gradient hooks became C calls and a countdown, a
     #              Python frame per bucket; 1064 before the buffer walk and the one-call gradient hook)
-    "replicate": 497,  # 452 (496 before the same cuts, and pre/post_forward moved from module hooks
-    #                    into the forward; 527 before the countdown; no buffer broadcast: torch's
-    #                    replicate syncs parameters only)
+    "replicate": 497,  # 455 (496 before the same cuts, and pre/post_forward's dynamo-disable wrappers
+    #                    became marks; they stay module hooks, as torch's; 527 before the countdown; no
+    #                    buffer broadcast: torch's replicate syncs parameters only)
     "FSDP2": 1795,  # 1630 (2934 before the one-frame DTensor dispatch and the engine's inline loops)
     "FSDP1": 1810,  # 1644 (2946 before, the same two cuts)
     "TP + SP": 8895,  # 8086 (10076 before the one-frame DTensor dispatch)
