@@ -3,7 +3,7 @@ Gloo's cost per call among N processes and a TP rank's cost, cache it per N.
 
     probe.py's N forked ranks -> per group size g: the cost of a call and the bandwidth among N
       processes; the CPU of one DTensor op; per TP degree and sequence parallel on/off, the TP
-      factor (its docstring)
+      factor; per CP degree, the CP factor; the contention factor (its docstring)
     one of the model's blocks, forward and backward, fp32, one thread, at 8 tokens -> op_s: its
     CPU time (thread time: what a rank's work costs, apart from who else shares the core) over
     the ops it dispatches (counted with a TorchDispatchMode; host time dominates
@@ -11,7 +11,7 @@ Gloo's cost per call among N processes and a TP rank's cost, cache it per N.
     over its time less ops * op_s; the same block under plait's checkpoint_wrapper -> ac_factor:
     its time over the plain block's (the forward again and the checkpoint's own work)
     -> Hardware(nproc=N, collectives=((g, s per call, bytes/s), ...), tp_factors=((g, sp,
-       factor), ...)) -> JSON at $PLAIT_CACHE_DIR or ~/.cache/plait/plan-calibration.json,
+       factor), ...), cp_factors=((c, factor), ...), contention) -> JSON at $PLAIT_CACHE_DIR or ~/.cache/plait/plan-calibration.json,
        {str(N): fields}, reused for jobs of N ranks
 
 The whole calibration stops by its deadline (30 s): the forked ranks are killed past 2/3 of it.
@@ -112,6 +112,7 @@ def _hardware(fields: dict, source: str) -> Hardware:
     fields = dict(fields)
     fields["collectives"] = tuple(tuple(c) for c in fields.get("collectives", ()))
     fields["tp_factors"] = tuple(tuple(c) for c in fields.get("tp_factors", ()))
+    fields["cp_factors"] = tuple(tuple(c) for c in fields.get("cp_factors", ()))
     return Hardware(**{**fields, "source": source})
 
 
@@ -126,10 +127,10 @@ def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = Tru
     import plait.tensor  # noqa: F401
 
     t0 = time.perf_counter()
-    table, dtensor_op_s, factors = ({}, 0.0, {})
+    table, dtensor_op_s, factors, contention = ({}, 0.0, {}, 1.0)
     if nproc > 1:  # first: the forked ranks start from a process that has run no torch op yet
-        table, dtensor_op_s, factors = collective_costs(nproc, budget_s=DEADLINE_S * 2 / 3,
-                                                        tp=(args, batch, seq_len))
+        table, dtensor_op_s, factors, contention = collective_costs(nproc, budget_s=DEADLINE_S * 2 / 3,
+                                                                    tp=(args, batch, seq_len))
     left = DEADLINE_S - (time.perf_counter() - t0)
     op_s, rate, ac_factor = block_costs(args, batch=max(1, batch), seq_len=seq_len,
                                         budget_s=min(DEADLINE_S / 5, left - 2))
@@ -137,7 +138,10 @@ def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = Tru
     hw = Hardware(flop_rate=rate, bandwidth=first[1], latency=first[0], op_s=op_s,
                   dtensor_op_s=dtensor_op_s or Hardware.dtensor_op_s, nproc=nproc, ac_factor=ac_factor,
                   collectives=tuple((g, c, b) for g, (c, b) in sorted(table.items())),
-                  tp_factors=tuple(sorted((int(k.split(",")[0]), k.endswith(",1"), f) for k, f in factors.items())),
+                  tp_factors=tuple(sorted((int(k[3:].split(",")[0]), k.endswith(",1"), f)
+                                          for k, f in factors.items() if k.startswith("tp:"))),
+                  cp_factors=tuple(sorted((int(k[3:]), f) for k, f in factors.items() if k.startswith("cp:"))),
+                  contention=contention,
                   source="calibrated")
     fields = hw.as_dict()
     fields.pop("source")

@@ -16,16 +16,24 @@ a tensor-parallel model, measured among N processes as a job of N ranks runs the
       tp factor, per tensor-parallel degree g a layout can use and sequence parallel on/off: the
         model (its first TP_LAYERS blocks) under plait's TP plan on groups of g consecutive ranks,
         every group at once, forward + backward with the loss at the tokens a rank of tp g and
-        dp N/g holds -> its wall per step over the CPU (thread time) of the same model unsharded
-        at the same tokens on one thread. What a TP rank's compute costs, in units of the plain
+        dp N/g holds -> its wall per step over the same model's unsharded, every rank running it
+        at once at the same tokens. What a TP rank's compute costs, in units of the plain
         model's: the sharded matmuls, the DTensor dispatch, the replicated elementwise work, the
-        TP collectives' CPU and their waits, and the ranks sharing the cores, all as measured
+        TP collectives' CPU and their waits, all as measured
+      cp factor, per context-parallel degree c: the same for the model under plait train's
+        context parallel (ring attention) on groups of c, a cp rank's tokens (c times the
+        sequences, each cut to 2 of 2c chunks) over the plain model's at as many tokens (whole
+        sequences: each token attends over the whole sequence either way)
+      contention: the plain model's step (the CP factor's base) among N ranks over its CPU alone
+        (timed after, in the calibrating process) times the ranks per core: what N processes on
+        these cores get done per CPU second against one alone (caches, switches), at least 1
 
 The probe stops by its budget: the forked ranks are killed past it and calibrate says so.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -58,43 +66,72 @@ def _tp_shape(args, batch: int, seq_len: int, g: int) -> tuple[int, int]:
     return max(1, min(batch * g, TP_TOKENS // s)), s
 
 
-def _tp_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> dict[str, float]:
-    """{"g,sp": wall of the TP model a step among the N ranks over the plain model's CPU}."""
+def cp_degrees(seq_len: int, nproc: int) -> list[int]:
+    """The context-parallel degrees among `nproc` ranks whose 2 * cp chunks split the sequence."""
+    return [c for c in group_sizes(nproc) if seq_len % (2 * c) == 0]
+
+
+def _together(step, repeats: int = TP_REPEATS) -> float:
+    """Wall seconds of one `step` with every rank at it at once, as the job's ranks run."""
+    from plait import comm
+
+    step()  # warm-up: plans built, buffers allocated
+    comm.barrier(group=comm.world_group())
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - t0) / repeats
+
+
+def _cp_step(cp_batch, train, m, x, y, mesh) -> None:
+    with cp_batch([m], x, y, mesh=mesh) as (x_local, y_local):
+        train(m, x_local, y_local)
+
+
+def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> dict[str, float]:
+    """{"tp:g,sp" and "cp:c": the sharded model's wall a step over the plain model's at the same
+    tokens, each with all N ranks at it}."""
     import dataclasses
 
     import torch
 
-    from plait import comm
     from plait.device_mesh import init_device_mesh
     from plait.models.llama import Transformer, parallelize_llama
+    from plait.train.context import cp_batch
     from plait.train.parallelize import lm_loss
 
     small = dataclasses.replace(args, n_layers=min(args.n_layers, TP_LAYERS))
     gen = torch.Generator().manual_seed(rank)
-    out = {}
-    for g in tp_degrees(args, nproc):
-        b, s = _tp_shape(args, batch, seq_len, g)
-        x = torch.randint(0, args.vocab_size, (b, s + 1), generator=gen)
-        inputs, target = x[:, :-1], x[:, 1:]
+
+    def model() -> Transformer:
         torch.manual_seed(0)
-        plain = Transformer(small)
-        step = lambda m, i=inputs, t=target: lm_loss(m(i), t).backward()  # noqa: E731
-        step(plain)
-        cpu = []
-        for _ in range(TP_REPEATS):
-            t0 = time.thread_time()
-            step(plain)
-            cpu.append(time.thread_time() - t0)
+        return Transformer(small)
+
+    def train(m, x: torch.Tensor, y: torch.Tensor) -> None:
+        lm_loss(m(x), y).backward()
+
+    def tokens(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, args.vocab_size, (b, s + 1), generator=gen)
+        return x[:, :-1], x[:, 1:]
+
+    out = {}
+    for g in tp_degrees(args, nproc):  # a tp-g rank: its dp share's sequences, whole
+        x, y = tokens(*_tp_shape(args, batch, seq_len, g))
+        base = _together(functools.partial(train, model(), x, y))
         mesh = init_device_mesh("cpu", (nproc // g, g), mesh_dim_names=("dp", "tp"))  # groups of g consecutive ranks
         for sp in (True, False):
-            torch.manual_seed(0)
-            model = parallelize_llama(Transformer(small), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
-            step(model)
-            comm.barrier(group=comm.world_group())
-            t0 = time.perf_counter()
-            for _ in range(TP_REPEATS):
-                step(model)
-            out[f"{g},{int(sp)}"] = (time.perf_counter() - t0) / TP_REPEATS / statistics.median(cpu)
+            m = parallelize_llama(model(), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
+            out[f"tp:{g},{int(sp)}"] = _together(functools.partial(train, m, x, y)) / base
+    s = seq_len
+    b = max(1, min(batch, TP_TOKENS // s))
+    x, y = tokens(b, s)
+    base = out["plain"] = _together(functools.partial(train, model(), x, y))
+    for c in cp_degrees(seq_len, nproc):  # a cp-c rank: c times the sequences, each cut to 2 of 2c chunks
+        mesh = init_device_mesh("cpu", (nproc // c, c), mesh_dim_names=("dp", "cp"))
+        xc, yc = tokens(b * c, s)
+        m = model()
+
+        out[f"cp:{c}"] = _together(functools.partial(_cp_step, cp_batch, train, m, xc, yc, mesh["cp"])) / base
     return out
 
 
@@ -143,17 +180,18 @@ def _rank(rank: int, nproc: int, store: str, out: str, repeats: int, tp: tuple |
         d.add_(1.0)
     found["dtensor_op_s"] = (time.thread_time() - c0) / 200
     if tp is not None:
-        found["tp"] = _tp_factors(*tp, nproc, rank)
+        found["sharded"] = _sharded_factors(*tp, nproc, rank)
     Path(out).write_text(json.dumps(found))
     comm.barrier(group=world)
     comm.destroy_process_group()
 
 
-def collective_costs(nproc: int, *, budget_s: float = 15.0, repeats: int = 10,
-                     tp: tuple | None = None) -> tuple[dict[int, tuple[float, float]], float, dict[str, float]]:
+def collective_costs(nproc: int, *, budget_s: float = 15.0, repeats: int = 10, tp: tuple | None = None
+                     ) -> tuple[dict[int, tuple[float, float]], float, dict[str, float], float]:
     """({group size: (seconds per call, bytes/s per rank)} among `nproc` processes on this host,
     each rank computing between calls; host seconds of one plait DTensor op; with `tp` = (args,
-    global batch over N, sequence length), {"g,sp": TP factor}), from `nproc` processes forked
+    global batch over N, sequence length), {"tp:g,sp" or "cp:c": factor}; the contention factor), from
+    `nproc` processes forked
     from this one (torch already imported: no start-up to wait for). The figures are the mean
     over ranks; a call's cost is its extra wall time over the bursts alone, so it holds the
     call's own CPU, stretched by the ranks sharing a core, and the waits for the group's ranks to
@@ -188,5 +226,32 @@ def collective_costs(nproc: int, *, budget_s: float = 15.0, repeats: int = 10,
         # (on a loaded host the difference of two noisy figures can come out at nothing)
         moving = max(mean(f"big{g}") - mean(f"small{g}"), 0.1 * (mean(f"big{g}") - mean("bursts")), 1e-6)
         table[g] = (call, sent / moving)
-    factors = {k: statistics.mean(f["tp"][k] for f in found) for k in found[0].get("tp", {})}
-    return table, mean("dtensor_op_s"), factors
+    factors = {k: statistics.mean(f["sharded"][k] for f in found) for k in found[0].get("sharded", {})}
+    contention = 1.0
+    if tp is not None:  # the plain model's step among the N ranks against this process's alone
+        from plait.plan.timing import host_cores
+
+        alone = _plain_alone(*tp)  # after the fork: this process, alone
+        contention = factors.pop("plain") / (alone * max(1.0, nproc / host_cores()))
+    return table, mean("dtensor_op_s"), factors, max(1.0, contention)
+
+
+def _plain_alone(args, batch: int, seq_len: int) -> float:
+    """CPU seconds (thread time) of the probe's plain model step at the CP probe's shape, here."""
+    import dataclasses
+
+    import torch
+
+    from plait.models.llama import Transformer
+    from plait.train.parallelize import lm_loss
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    m = Transformer(dataclasses.replace(args, n_layers=min(args.n_layers, TP_LAYERS)))
+    x = torch.randint(0, args.vocab_size, (max(1, min(batch, TP_TOKENS // seq_len)), seq_len + 1))
+    times = []
+    for _ in range(TP_REPEATS + 1):
+        t0 = time.thread_time()
+        lm_loss(m(x[:, :-1]), x[:, 1:]).backward()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times[1:])

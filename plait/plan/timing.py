@@ -16,11 +16,12 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
         walk; the calls tested equal to plait.comm's count like the bytes)
     oversub      = max(1, ranks on this host / cores)  (hw.cores: os.sched_getaffinity at plan
                    time; 0, no oversubscription): ranks time-share the cores, so compute and
-                   host time stretch by it
+                   host time stretch by it; times the contention measured among the job's
+                   process count (probe.py: their CPU seconds do less than one process's alone)
     microbatch   = oversub * (FLOPs / flop_rate + ops * op_s + dtensor ops * dtensor_op_s)
-                 = tp_factor * (plain FLOPs / flop_rate + plain ops * op_s)   tp > 1, calibrated
-                   at the job's process count: the probe's TP step among N ranks (probe.py), its
-                   wall over the unsharded model's CPU at the same tokens. It holds the TP
+                 = tp_factor * oversub * (plain FLOPs / flop_rate + plain ops * op_s)   tp > 1,
+                   calibrated at the job's process count: the probe's TP step among N ranks
+                   (probe.py), its wall over the unsharded model's run the same way. It holds the TP
                    collectives (their CPU and waits: the tp axis is not charged again), the
                    DTensor dispatch and the work TP leaves unsharded, which op counts at one
                    per-op cost and FLOPs / t miss (measured: 2x the plain CPU per rank at tp 2)
@@ -69,6 +70,8 @@ class Hardware:
     collectives: tuple[tuple[int, float, float], ...] = ()  # (group size, s per call, bytes/s per rank) at nproc
     ac_factor: float = 0.0  # a checkpointed block's time over a plain one's (0: not measured; FLOPs 8/6, ops AC_OPS)
     tp_factors: tuple[tuple[int, bool, float], ...] = ()  # (tp, sequence parallel, factor) at nproc (probe.py)
+    cp_factors: tuple[tuple[int, float], ...] = ()  # (cp, factor) at nproc (probe.py)
+    contention: float = 1.0  # CPU work's cost among nproc ranks here over alone (probe.py; 1: not measured)
     source: str = "defaults"
 
     def as_dict(self) -> dict:
@@ -96,6 +99,11 @@ class Hardware:
         if not self.in_situ(world):
             return 0.0
         return next((f for g, sp, f in self.tp_factors if g == tp and sp == sequence_parallel), 0.0)
+
+    def cp_factor(self, cp: int, world: int) -> float:
+        """A CP rank's wall per step over the plain model's at as many tokens, measured among
+        `world` processes here (0: not measured)."""
+        return next((f for c, f in self.cp_factors if c == cp), 0.0) if self.in_situ(world) else 0.0
 
 
 @dataclass(frozen=True)
@@ -213,21 +221,26 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     tokens = batch_size // dims.dp * seq_len // dims.cp  # a cp rank's share; attention still spans seq_len
     kw = dict(seq_len=seq_len, ac_mode=ac_mode, ac_every=ac_every)
     over = oversubscription(dims, hw)
+    if hw.in_situ(dims.world_size):  # what N ranks on these cores get done per CPU second, against one alone
+        over *= hw.contention
     acf = dict(ac_factor=hw.ac_factor)
     m = dims.microbatches if dims.pp > 1 else 1
     once_plain, once_dt = step_ops(args, dims, stages)
     opt_host = over * (once_plain * hw.op_s + once_dt * hw.dtensor_op_s)
     bubble = 0.0
     tp_f = hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size) if dims.tp > 1 else 0.0
+    cp_f = hw.cp_factor(dims.cp, dims.world_size) if dims.cp > 1 else 0.0
+    sharded = (tp_f or 1.0) * (cp_f or 1.0) if tp_f or cp_f else 0.0  # both: their product
 
     def microbatch(stage: int, n: float) -> tuple[float, float]:
         """(seconds, of them host) of one microbatch's forward + backward of `n` tokens on `stage`:
-        with a measured TP factor, the plain (unsharded) model's CPU times it; otherwise FLOPs and
-        the ops' host cost, stretched by the ranks sharing a core."""
-        if tp_f:
-            plain = dataclasses.replace(dims, tp=1)
-            host = host_ops(args, plain, stage, ac_mode=ac_mode, ac_every=ac_every, **acf)[0] * hw.op_s
-            return tp_f * (n * stage_flops_per_token(args, plain, stage, **kw, **acf) / hw.flop_rate + host), tp_f * host
+        FLOPs and the ops' host cost, stretched by the ranks sharing a core; with a measured TP
+        or CP factor, the plain (unsharded) model's that way, times the factor."""
+        if sharded:  # the plain model's time as the job's ranks would take it, times the factor
+            plain = dataclasses.replace(dims, tp=1 if tp_f else dims.tp, cp=1 if cp_f else dims.cp)
+            host = over * sum(host_ops(args, plain, stage, ac_mode=ac_mode, ac_every=ac_every, **acf)) * hw.op_s
+            flops = n * stage_flops_per_token(args, plain, stage, **kw, **acf) / hw.flop_rate
+            return sharded * (over * flops + host), sharded * host
         ops, dt = host_ops(args, dims, stage, ac_mode=ac_mode, ac_every=ac_every, **acf)
         host = over * (ops * hw.op_s + dt * hw.dtensor_op_s)
         return over * n * stage_flops_per_token(args, dims, stage, **kw, **acf) / hw.flop_rate + host, host
@@ -256,8 +269,9 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     for axis in sorted(set(traffic) | set(calls)):
         per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
         comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
-    if tp_f:  # the probe's TP step held its collectives: their CPU and their waits are in compute
-        comm.pop("tp", None)
+    for axis, f in (("tp", tp_f), ("cp", cp_f)):  # the probe's step held the axis' collectives:
+        if f:  # their CPU and their waits are in compute
+            comm.pop(axis, None)
     if hw.in_situ(dims.world_size) and over > 1:
         # measured where it is paid: each call's figure is the wall it adds among these ranks on
         # these cores (its own CPU, time-shared, and the waits for its group); no core is left to

@@ -27,13 +27,15 @@ def test_probe_reports_a_cost_per_call_and_a_bandwidth_per_group_size_and_tp_fac
     what it reports, and figures a machine can give (a call costs something and under a second;
     bytes move; a TP rank's step takes time)."""
     args, _ = check(load("tiny"), 1)
-    table, dtensor_op_s, factors = cal.collective_costs(4, budget_s=60.0, repeats=2, tp=(args, 2, 32))
+    table, dtensor_op_s, factors, contention = cal.collective_costs(4, budget_s=60.0, repeats=2, tp=(args, 2, 32))
+    assert 1.0 <= contention < 100
     assert sorted(table) == [2, 4]
     for call, bandwidth in table.values():
         assert 0.0 <= call < 1.0 and bandwidth > 0
     assert 0.0 < dtensor_op_s < 0.1
     degrees = probe.tp_degrees(args, 4)
-    assert degrees and sorted(factors) == sorted(f"{g},{sp}" for g in degrees for sp in (0, 1))
+    assert degrees and sorted(factors) == sorted([f"tp:{g},{sp}" for g in degrees for sp in (0, 1)]
+                                                 + [f"cp:{c}" for c in probe.cp_degrees(32, 4)])
     assert all(math.isfinite(f) and f > 0 for f in factors.values()), factors
 
 
@@ -57,7 +59,7 @@ def fake_probe(monkeypatch, tmp_path):
 
     def costs(nproc, **kw):
         runs.append(nproc)
-        return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"2,1": 3.0, "2,0": 2.5}
+        return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"tp:2,1": 3.0, "tp:2,0": 2.5, "cp:2": 1.5}, 1.25
 
     monkeypatch.setattr(cal, "collective_costs", costs)
     monkeypatch.setattr(cal, "block_costs", lambda args, **kw: (5e-6, 4e10, 1.5))
@@ -70,8 +72,9 @@ def test_calibration_is_cached_per_process_count(fake_probe, tmp_path):
     assert hw8.nproc == 8 and hw8.collectives == ((2, 2e-3, 5e7), (4, 4e-3, 2.5e7), (8, 8e-3, 1.25e7))
     assert (hw8.op_s, hw8.flop_rate, hw8.dtensor_op_s, hw8.ac_factor) == (5e-6, 4e10, 2e-5, 1.5)
     assert (hw8.latency, hw8.bandwidth) == (2e-3, 5e7)  # the smallest group's
-    assert hw8.tp_factors == ((2, False, 2.5), (2, True, 3.0))
-    assert cal.cached(8).tp_factors == hw8.tp_factors
+    assert hw8.tp_factors == ((2, False, 2.5), (2, True, 3.0)) and hw8.cp_factors == ((2, 1.5),)
+    assert hw8.contention == 1.25
+    assert cal.cached(8).tp_factors == hw8.tp_factors and cal.cached(8).contention == 1.25
     hw4 = cal.calibrate(args, batch=2, seq_len=32, nproc=4)
     assert fake_probe == [8, 4]
     assert cal.cached(8).collectives == hw8.collectives and cal.cached(4).collectives == hw4.collectives
@@ -161,9 +164,10 @@ def _step_ops_s(args, dims, hw) -> float:
 
 def test_a_measured_tp_factor_times_the_plain_model_and_holds_the_tp_collectives():
     """R2 T2 on 4 processes, calibrated there: a microbatch costs the TP factor times the plain
-    model's compute at the rank's tokens (FLOPs unsharded, plain ops), and the tp axis' calls and
+    model's compute at the rank's tokens (FLOPs unsharded, plain ops) as the 4 ranks on 2 cores
+    take it (stretched 2x, times the contention measured there), and the tp axis' calls and
     bytes, which the probe's TP steps held, are not charged again; measured at another process
-    count, the factor is not used."""
+    count, neither figure is used."""
     import dataclasses
 
     from plait.plan.timing import host_ops, stage_flops_per_token
@@ -174,15 +178,17 @@ def test_a_measured_tp_factor_times_the_plain_model_and_holds_the_tp_collectives
     kw = dict(seq_len=32, batch_size=8, global_rank=0)
     traffic = bytes_per_step(args, dims, **kw)
     assert traffic["tp"] > 0
-    hw = Hardware(cores=2, nproc=4, collectives=((2, 1e-3, 3e8), (4, 2e-3, 1e8)), tp_factors=((2, True, 3.0),))
+    hw = Hardware(cores=2, nproc=4, collectives=((2, 1e-3, 3e8), (4, 2e-3, 1e8)), tp_factors=((2, True, 3.0),),
+                  contention=1.25)
     assert hw.tp_factor(2, True, 4) == 3.0 and hw.tp_factor(2, False, 4) == 0.0 and hw.tp_factor(2, True, 8) == 0.0
     st = step_time(args, dims, traffic, hw, **kw)
     assert "tp" not in st.comm_s and "dp_replicate" in st.comm_s
     plain, opts = dataclasses.replace(dims, tp=1), dict(ac_mode="none", ac_every=2)
     tokens = 8 // 2 * 32  # a rank's: the batch over dp, whole sequences
-    mb = 3.0 * (tokens * stage_flops_per_token(args, plain, 0, seq_len=32, **opts) / hw.flop_rate
-                + host_ops(args, plain, 0, **opts)[0] * hw.op_s)
-    assert st.compute_s == pytest.approx(mb + 2 * _step_ops_s(args, dims, hw))  # 4 ranks on 2 cores
+    stretch = 2 * 1.25  # 4 ranks on 2 cores, and the contention among them
+    mb = 3.0 * stretch * (tokens * stage_flops_per_token(args, plain, 0, seq_len=32, **opts) / hw.flop_rate
+                          + host_ops(args, plain, 0, **opts)[0] * hw.op_s)
+    assert st.compute_s == pytest.approx(mb + stretch * _step_ops_s(args, dims, hw))
     other = step_time(args, dims, traffic, dataclasses.replace(hw, nproc=8), **kw)
     assert "tp" in other.comm_s  # measured at 8 processes, not 4: charged per call and byte
 
