@@ -78,6 +78,9 @@ def _run_child(index: int, name: str, path: str, args: list[str]) -> None:
             agent.wait([f"{key}/done/{r}" for r in range(WORLD)])
 
     atexit.register(done)
+    # a line a write: the ranks share one pipe, and a block-buffered flush (8 KiB at exit) is
+    # not atomic there, so another rank's line could land inside one of this rank's
+    sys.stdout.reconfigure(line_buffering=True)
     os.makedirs(name, exist_ok=True)
     os.chdir(name)
     sys.argv = [path, *args]
