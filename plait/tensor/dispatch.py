@@ -52,14 +52,16 @@ def torch_dispatch(cls, op, types, args: tuple = (), kwargs: dict | None = None)
                 token = spec._token
                 append(token if token is not None else _token(spec))
                 append(id(spec.mesh))  # see _key
-            elif t is list or t is tuple or isinstance(a, _Tensor):
+            elif t is list or t is tuple:
+                append(_seq_key(op, a, dts, free))
+            elif isinstance(a, _Tensor):
                 append(_key(op, a, dts))
             else:
                 append(float if free and t is float else a)
         if kwargs:
             for k, v in kwargs.items():
                 append(k)
-                append(float if free and type(v) is float else _key(op, v, dts))
+                append(float if free and type(v) is float else _key(op, v, dts, free))
     except _PlainTensor:  # a _foreach_ op's lists mix kinds, or under implicit_replication()
         groups = by_mesh.split(args, kwargs) if by_mesh.is_foreach(op) else {}
         if len(groups) > 1:  # some indices hold plain tensors only: they run as plain tensors
@@ -120,7 +122,29 @@ def _token(spec: DTensorSpec) -> int:
     return token
 
 
-def _key(op, a, dts: list):
+def _seq_key(op, a, dts: list, free: bool) -> tuple:
+    """The key of a list argument, a tuple with one entry per element. A foreach op's lists
+    hold its DTensors (keyed as in _key, inlined: one frame per list, not per element) and,
+    for a ScalarList, floats that change every step (AdamW's step sizes and bias corrections):
+    with `free` those are keyed by their type, as torch's OpSchema leaves non-tensor args out
+    of its hash, else every step missed the cache and re-planned every index."""
+    key = []
+    append = key.append
+    for e in a:
+        t = type(e)
+        if t is DTensor:
+            dts.append(e)
+            spec = e._spec
+            token = spec._token
+            append((token if token is not None else _token(spec), id(spec.mesh)))
+        elif free and t is float:
+            append(float)
+        else:
+            append(_key(op, e, dts, free))
+    return tuple(key)
+
+
+def _key(op, a, dts: list, free: bool = False):
     t = type(a)
     if t is DTensor:
         dts.append(a)
@@ -130,7 +154,9 @@ def _key(op, a, dts: list):
         spec = a._spec
         return (spec._token if spec._token is not None else _token(spec), id(spec.mesh))
     if t is list or t is tuple:
-        return tuple(_key(op, e, dts) for e in a)
+        return _seq_key(op, a, dts, free)
+    if free and t is float:
+        return float
     if isinstance(a, _Tensor):
         if a.dim() != 0:
             if _allow_implicit_replication or by_mesh.is_foreach(op):
@@ -208,7 +234,8 @@ class Plan:
         mesh = self.mesh
         locals_ = []
         for dt, steps in zip(dts, self.steps):
-            local = dt._local_tensor
+            # the property inlined: a foreach op's lists put hundreds of DTensors through here
+            local = dt._local if dt._pending is None else dt._local_tensor
             locals_.append(local if steps is None else redist.run(local, steps, mesh))
         for k, spec in self.moved:
             _move_in_place(dts[k], locals_[k], spec, self.op)

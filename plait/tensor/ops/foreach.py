@@ -10,7 +10,7 @@ cannot disagree about it. The local run is still one foreach call over the local
 from __future__ import annotations
 
 from plait.tensor.ops import pointwise
-from plait.tensor.ops.registry import OpCall, Sharding, aten, choose, register
+from plait.tensor.ops.registry import FLOAT_VALUE_FREE, OpCall, Sharding, aten, choose, register
 from plait.tensor.placement import Replicate
 from plait.tensor.spec import DTensorSpec
 
@@ -92,5 +92,9 @@ def foreach_rule(call: OpCall) -> Sharding:
 
 
 register(*foreach_ops())(foreach_rule)
+# the rule reads no scalar's value (each index is its pointwise op's, and those are value
+# free): dispatch keys a float, alone or in a ScalarList, by its type, so AdamW's per-step
+# step sizes and bias corrections (_foreach_addcdiv_, _foreach_div_) reuse one plan
+FLOAT_VALUE_FREE.update(id(op) for op in foreach_ops())
 
 __all__ = ["foreach_ops", "foreach_rule", "split_by_index"]
