@@ -6,7 +6,9 @@
     the agent's own messages: "[plait run] ..." on stderr (PLAIT_LOG_LEVEL, default INFO)
 
 Lines are written whole, so two ranks never interleave inside a line; a partial line (a prompt,
-a progress bar) is shown after 0.1 s without a newline and continued without a second prefix.
+a progress bar) is shown after 0.1 s without a newline and continued without a second prefix,
+unless another rank writes to that console first: then the partial line is ended there, and its
+rest comes on a line of its own (prefixed; a lone newline that would end it is dropped).
 The prefix carries the global rank, and the node's name once there is more than one node
 (pytorch#60911: torchrun's `[default0]:` is the same on every node).
 """
@@ -111,6 +113,7 @@ class _Stream:
     partial: bytearray = field(default_factory=bytearray)
     partial_since: float = 0.0
     midline: bool = False  # the console got part of a line: the rest continues it, unprefixed
+    cut: bool = False  # its open line was ended for it (another rank wrote): drop the newline that ends it
 
 
 class LogPump:
@@ -118,6 +121,7 @@ class LogPump:
 
     def __init__(self, on_eof: Callable[[], None]):
         self._streams: dict[int, _Stream] = {}
+        self._open: dict[int, _Stream] = {}  # id(console) -> the stream whose partial line it shows
         self._on_eof = on_eof
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="plait-logs", daemon=True)
@@ -197,6 +201,15 @@ class LogPump:
 
     def _to_console(self, s: _Stream, chunk: bytes) -> None:
         out = bytearray()
+        console = id(s.console)
+        owner = self._open.pop(console, None)
+        if owner is not None and owner is not s:  # another rank's partial line is open there: end it
+            out += b"\n"
+            owner.midline, owner.cut = False, True
+        if s.cut:  # its line was ended for it: the newline that ends it is already out
+            s.cut = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
         start = 0
         while start < len(chunk):
             end = chunk.find(b"\n", start) + 1 or len(chunk)
@@ -204,13 +217,18 @@ class LogPump:
                 out += s.prefix
             out += chunk[start:end]
             start = end
-        s.midline = not chunk.endswith(b"\n")
-        write_console(s.console, bytes(out))
+        if chunk:
+            s.midline = not chunk.endswith(b"\n")
+        if s.midline:
+            self._open[console] = s
+        if out:
+            write_console(s.console, bytes(out))
 
     def _close(self, sel: selectors.BaseSelector, s: _Stream) -> None:
         self._flush_partial(s)
         if s.midline and s.console is not None:
             write_console(s.console, b"\n")
+            self._open.pop(id(s.console), None)
         sel.unregister(s.fd)
         os.close(s.fd)
         if s.file is not None:

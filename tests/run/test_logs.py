@@ -73,3 +73,28 @@ def test_successful_run_removes_its_temporary_directory(job):
     r = job.run("--standalone", "--nproc-per-node", "1", worker("talker.py"))
     assert r.rc == 0, r.err
     assert not [p for p in job.dir.iterdir() if p.name.startswith("plait-run-")]
+
+
+def test_a_partial_line_is_ended_before_another_ranks_line():
+    """Rank 1's partial line (shown after the idle flush) then rank 0's whole line: rank 0's goes
+    on a line of its own, and the newline that later ends rank 1's is not a second, empty line
+    (under load a ranks' lines were seen joined: "[rank 1] a[rank 0] b"); a continuation with
+    text comes prefixed on its own line. Pure logic: the pump's console writer, no process."""
+    import io
+
+    from plait.run.logs import LogPump, _Stream
+
+    console = io.BytesIO()
+    pump = LogPump(on_eof=lambda: None)
+    r0, r1 = (_Stream(fd, f"[rank {fd}] ".encode(), console, None) for fd in (0, 1))
+    pump._to_console(r1, b"hello from rank 1")
+    pump._to_console(r0, b"hello from rank 0\n")
+    pump._to_console(r1, b"\n")
+    assert console.getvalue() == b"[rank 1] hello from rank 1\n[rank 0] hello from rank 0\n"
+    pump._to_console(r1, b"50%")
+    pump._to_console(r0, b"x\n")
+    pump._to_console(r1, b" done\nnext\n")
+    assert console.getvalue().splitlines()[2:] == [b"[rank 1] 50%", b"[rank 0] x", b"[rank 1]  done", b"[rank 1] next"]
+    pump._to_console(r0, b"a")  # one rank alone: its partial line is continued, unprefixed
+    pump._to_console(r0, b"b\n")
+    assert console.getvalue().splitlines()[-1] == b"[rank 0] ab"
