@@ -78,9 +78,10 @@ def _run_child(index: int, name: str, path: str, args: list[str]) -> None:
             agent.wait([f"{key}/done/{r}" for r in range(WORLD)])
 
     atexit.register(done)
-    # a line a write: the ranks share one pipe, and a block-buffered flush (8 KiB at exit) is
-    # not atomic there, so another rank's line could land inside one of this rank's
-    sys.stdout.reconfigure(line_buffering=True)
+    # a line a write: the ranks share one pipe, and torchrun starts its workers with `python -u`
+    # (write-through: print's text and its newline are two writes), so another rank's line
+    # landed between them ("rank 0 step 6 loss ...rank 1 step 6 loss ..." then an empty line)
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
     os.makedirs(name, exist_ok=True)
     os.chdir(name)
     sys.argv = [path, *args]
