@@ -78,10 +78,6 @@ def _run_child(index: int, name: str, path: str, args: list[str]) -> None:
             agent.wait([f"{key}/done/{r}" for r in range(WORLD)])
 
     atexit.register(done)
-    # a line a write: the ranks share one pipe, and torchrun starts its workers with `python -u`
-    # (write-through: print's text and its newline are two writes), so another rank's line
-    # landed between them ("rank 0 step 6 loss ...rank 1 step 6 loss ..." then an empty line)
-    sys.stdout.reconfigure(line_buffering=True, write_through=False)
     os.makedirs(name, exist_ok=True)
     os.chdir(name)
     sys.argv = [path, *args]
@@ -90,6 +86,11 @@ def _run_child(index: int, name: str, path: str, args: list[str]) -> None:
 
 
 def main(specs: list[str]) -> None:
+    # a line a write, here and in the forks (they inherit it): the ranks share one pipe, and
+    # torchrun starts its workers with `python -u` (write-through: print's text and its newline
+    # are two writes), so another rank's line landed between them ("rank 0 step 6 loss ...rank 1
+    # step 6 loss ..." then an empty line; "rank 5 exit 0README example mesh: rank 4 exit 0")
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
     gc.freeze()  # torch's objects: shared with the children, never walked by their exit-time GC
     for index, spec in enumerate(specs):
         name, path, args = _spec(spec)
