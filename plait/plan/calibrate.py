@@ -3,7 +3,8 @@ Gloo's cost per call among N processes and a TP rank's cost, cache it per N.
 
     probe.py's N forked ranks -> per group size g: the cost of a call and the bandwidth among N
       processes; the CPU of one DTensor op; per TP degree and sequence parallel on/off, the TP
-      factor; per CP degree, the CP factor; the contention factor (its docstring)
+      factor, alone and under replicate over the rest (R x T); per CP degree, the CP factor;
+      the contention factor (its docstring)
     one of the model's blocks, forward and backward, fp32, one thread, at 8 tokens -> op_s: its
     CPU time (thread time: what a rank's work costs, apart from who else shares the core) over
     the ops it dispatches (counted with a TorchDispatchMode; host time dominates
@@ -11,7 +12,8 @@ Gloo's cost per call among N processes and a TP rank's cost, cache it per N.
     over its time less ops * op_s; the same block under plait's checkpoint_wrapper -> ac_factor:
     its time over the plain block's (the forward again and the checkpoint's own work)
     -> Hardware(nproc=N, collectives=((g, s per call, bytes/s), ...), tp_factors=((g, sp,
-       factor), ...), cp_factors=((c, factor), ...), contention) -> JSON at $PLAIT_CACHE_DIR or ~/.cache/plait/plan-calibration.json,
+       factor), ...), tp_ddp_factors (the same, R x T), cp_factors=((c, factor), ...),
+       contention) -> JSON at $PLAIT_CACHE_DIR or ~/.cache/plait/plan-calibration.json,
        {str(N): fields}, reused for jobs of N ranks
 
 The whole calibration stops by its deadline (30 s): the forked ranks are killed past 2/3 of it.
@@ -111,9 +113,16 @@ def _read_cache() -> dict:
 def _hardware(fields: dict, source: str) -> Hardware:
     fields = dict(fields)
     fields["collectives"] = tuple(tuple(c) for c in fields.get("collectives", ()))
-    fields["tp_factors"] = tuple(tuple(c) for c in fields.get("tp_factors", ()))
+    for key in ("tp_factors", "tp_ddp_factors"):
+        fields[key] = tuple(tuple(c) for c in fields.get(key, ()))
     fields["cp_factors"] = tuple(tuple(c) for c in fields.get("cp_factors", ()))
     return Hardware(**{**fields, "source": source})
+
+
+def _tp_factors(factors: dict[str, float], prefix: str) -> tuple[tuple[int, bool, float], ...]:
+    """((g, sequence parallel, factor), ...) of the probe's "PREFIXg,sp" keys."""
+    return tuple(sorted((int(k[len(prefix):].split(",")[0]), k.endswith(",1"), f)
+                        for k, f in factors.items() if k.startswith(prefix)))
 
 
 def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = True) -> Hardware:
@@ -138,8 +147,7 @@ def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = Tru
     hw = Hardware(flop_rate=rate, bandwidth=first[1], latency=first[0], op_s=op_s,
                   dtensor_op_s=dtensor_op_s or Hardware.dtensor_op_s, nproc=nproc, ac_factor=ac_factor,
                   collectives=tuple((g, c, b) for g, (c, b) in sorted(table.items())),
-                  tp_factors=tuple(sorted((int(k[3:].split(",")[0]), k.endswith(",1"), f)
-                                          for k, f in factors.items() if k.startswith("tp:"))),
+                  tp_factors=_tp_factors(factors, "tp:"), tp_ddp_factors=_tp_factors(factors, "tpddp:"),
                   cp_factors=tuple(sorted((int(k[3:]), f) for k, f in factors.items() if k.startswith("cp:"))),
                   contention=contention,
                   source="calibrated")

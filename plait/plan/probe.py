@@ -19,7 +19,9 @@ a tensor-parallel model, measured among N processes as a job of N ranks runs the
         dp N/g holds -> its wall per step over the same model's unsharded, every rank running it
         at once at the same tokens. What a TP rank's compute costs, in units of the plain
         model's: the sharded matmuls, the DTensor dispatch, the replicated elementwise work, the
-        TP collectives' CPU and their waits, all as measured
+        TP collectives' CPU and their waits, all as measured; and, where g < N, the same under
+        replicate over the dp groups of N/g, as plait train runs R x T (DDP's take-in of
+        DTensor gradients is per gradient, and its all-reduces' CPU and waits are in the step)
       cp factor, per context-parallel degree c: the same for the model under plait train's
         context parallel (ring attention) on groups of c, a cp rank's tokens (c times the
         sequences, each cut to 2 of 2c chunks) over the plain model's at as many tokens (whole
@@ -89,12 +91,13 @@ def _cp_step(cp_batch, train, m, x, y, mesh) -> None:
 
 
 def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> dict[str, float]:
-    """{"tp:g,sp" and "cp:c": the sharded model's wall a step over the plain model's at the same
-    tokens, each with all N ranks at it}."""
+    """{"tp:g,sp", "tpddp:g,sp" and "cp:c": the sharded model's wall a step over the plain
+    model's at the same tokens, each with all N ranks at it}."""
     import dataclasses
 
     import torch
 
+    from plait.ddp import replicate
     from plait.device_mesh import init_device_mesh
     from plait.models.llama import Transformer, parallelize_llama
     from plait.train.context import cp_batch
@@ -122,6 +125,10 @@ def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> d
         for sp in (True, False):
             m = parallelize_llama(model(), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
             out[f"tp:{g},{int(sp)}"] = _together(functools.partial(train, m, x, y)) / base
+            if g < nproc:  # R x T: plait train's replicate over the dp groups, its reduction in the step
+                m = parallelize_llama(model(), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
+                replicate(m, device_mesh=mesh["dp"])
+                out[f"tpddp:{g},{int(sp)}"] = _together(functools.partial(train, m, x, y)) / base
     s = seq_len
     b = max(1, min(batch, TP_TOKENS // s))
     x, y = tokens(b, s)

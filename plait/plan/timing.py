@@ -24,7 +24,10 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
                    (probe.py), its wall over the unsharded model's run the same way. It holds the TP
                    collectives (their CPU and waits: the tp axis is not charged again), the
                    DTensor dispatch and the work TP leaves unsharded, which op counts at one
-                   per-op cost and FLOPs / t miss (measured: 2x the plain CPU per rank at tp 2)
+                   per-op cost and FLOPs / t miss (measured: 2x the plain CPU per rank at tp 2).
+                   R x T (dp_replicate * tp = N): the probe's step under replicate over N / tp,
+                   which holds DDP's gradient take-in (per gradient on DTensors) and its
+                   all-reduces: the dp_replicate axis and DDP's ops are not charged again
     compute_s    = microbatch + the step's host ops                           pp = 1
                  = the pipeline simulator's makespan with F = microbatch / 3 per stage, B = 2F
                    (3F with AC), W = F, plus the step's host ops               pp > 1 (bubble in)
@@ -70,6 +73,7 @@ class Hardware:
     collectives: tuple[tuple[int, float, float], ...] = ()  # (group size, s per call, bytes/s per rank) at nproc
     ac_factor: float = 0.0  # a checkpointed block's time over a plain one's (0: not measured; FLOPs 8/6, ops AC_OPS)
     tp_factors: tuple[tuple[int, bool, float], ...] = ()  # (tp, sequence parallel, factor) at nproc (probe.py)
+    tp_ddp_factors: tuple[tuple[int, bool, float], ...] = ()  # the same under replicate over nproc / tp (R x T)
     cp_factors: tuple[tuple[int, float], ...] = ()  # (cp, factor) at nproc (probe.py)
     contention: float = 1.0  # CPU work's cost among nproc ranks here over alone (probe.py; 1: not measured)
     source: str = "defaults"
@@ -93,12 +97,14 @@ class Hardware:
         return self.latency * max(1, group - 1), self.bandwidth
 
 
-    def tp_factor(self, tp: int, sequence_parallel: bool, world: int) -> float:
+    def tp_factor(self, tp: int, sequence_parallel: bool, world: int, *, ddp: bool = False) -> float:
         """A TP rank's wall per step over the plain model's CPU at its tokens, measured among
-        `world` processes here (0: not measured)."""
+        `world` processes here, alone or (ddp) under replicate over the other world / tp ranks
+        (0: not measured)."""
         if not self.in_situ(world):
             return 0.0
-        return next((f for g, sp, f in self.tp_factors if g == tp and sp == sequence_parallel), 0.0)
+        table = self.tp_ddp_factors if ddp else self.tp_factors
+        return next((f for g, sp, f in table if g == tp and sp == sequence_parallel), 0.0)
 
     def cp_factor(self, cp: int, world: int) -> float:
         """A CP rank's wall per step over the plain model's at as many tokens, measured among
@@ -226,10 +232,17 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     acf = dict(ac_factor=hw.ac_factor)
     m = dims.microbatches if dims.pp > 1 else 1
     once_plain, once_dt = step_ops(args, dims, stages)
-    opt_host = over * (once_plain * hw.op_s + once_dt * hw.dtensor_op_s)
     bubble = 0.0
     tp_f = hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size) if dims.tp > 1 else 0.0
+    # R x T: the probe ran this layout's step itself (replicate over world / tp), DDP's take-in
+    # of DTensor gradients and its all-reduces included (a cache from before it: the TP factor)
+    r_x_t = dims.tp > 1 and dims.dp_replicate > 1 and dims.dp_replicate * dims.tp == dims.world_size
+    r_x_t = r_x_t and bool(hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size, ddp=True))
+    if r_x_t:
+        tp_f = hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size, ddp=True)
+        once_plain -= DDP_OPS_PER_PARAM * sum(len(stage_params(args, dims, s, 0)) for s in stages)
     cp_f = hw.cp_factor(dims.cp, dims.world_size) if dims.cp > 1 else 0.0
+    opt_host = over * (once_plain * hw.op_s + once_dt * hw.dtensor_op_s)
     sharded = (tp_f or 1.0) * (cp_f or 1.0) if tp_f or cp_f else 0.0  # both: their product
 
     def microbatch(stage: int, n: float) -> tuple[float, float]:
@@ -269,7 +282,8 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     for axis in sorted(set(traffic) | set(calls)):
         per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
         comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
-    for axis, f in (("tp", tp_f), ("cp", cp_f)):  # the probe's step held the axis' collectives:
+    held = [("tp", tp_f), ("cp", cp_f)] + [("dp_replicate", tp_f)] * r_x_t
+    for axis, f in held:  # the probe's step held the axis' collectives:
         if f:  # their CPU and their waits are in compute
             comm.pop(axis, None)
     if hw.in_situ(dims.world_size) and over > 1:

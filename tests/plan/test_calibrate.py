@@ -35,6 +35,7 @@ def test_probe_reports_a_cost_per_call_and_a_bandwidth_per_group_size_and_tp_fac
     assert 0.0 < dtensor_op_s < 0.1
     degrees = probe.tp_degrees(args, 4)
     assert degrees and sorted(factors) == sorted([f"tp:{g},{sp}" for g in degrees for sp in (0, 1)]
+                                                 + [f"tpddp:{g},{sp}" for g in degrees if g < 4 for sp in (0, 1)]
                                                  + [f"cp:{c}" for c in probe.cp_degrees(32, 4)])
     assert all(math.isfinite(f) and f > 0 for f in factors.values()), factors
 
@@ -59,7 +60,7 @@ def fake_probe(monkeypatch, tmp_path):
 
     def costs(nproc, **kw):
         runs.append(nproc)
-        return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"tp:2,1": 3.0, "tp:2,0": 2.5, "cp:2": 1.5}, 1.25
+        return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"tp:2,1": 3.0, "tp:2,0": 2.5, "tpddp:2,1": 3.5, "cp:2": 1.5}, 1.25
 
     monkeypatch.setattr(cal, "collective_costs", costs)
     monkeypatch.setattr(cal, "block_costs", lambda args, **kw: (5e-6, 4e10, 1.5))
@@ -73,6 +74,7 @@ def test_calibration_is_cached_per_process_count(fake_probe, tmp_path):
     assert (hw8.op_s, hw8.flop_rate, hw8.dtensor_op_s, hw8.ac_factor) == (5e-6, 4e10, 2e-5, 1.5)
     assert (hw8.latency, hw8.bandwidth) == (2e-3, 5e7)  # the smallest group's
     assert hw8.tp_factors == ((2, False, 2.5), (2, True, 3.0)) and hw8.cp_factors == ((2, 1.5),)
+    assert hw8.tp_ddp_factors == ((2, True, 3.5),) and cal.cached(8).tp_ddp_factors == hw8.tp_ddp_factors
     assert hw8.contention == 1.25
     assert cal.cached(8).tp_factors == hw8.tp_factors and cal.cached(8).contention == 1.25
     hw4 = cal.calibrate(args, batch=2, seq_len=32, nproc=4)
@@ -191,6 +193,36 @@ def test_a_measured_tp_factor_times_the_plain_model_and_holds_the_tp_collectives
     assert st.compute_s == pytest.approx(mb + stretch * _step_ops_s(args, dims, hw))
     other = step_time(args, dims, traffic, dataclasses.replace(hw, nproc=8), **kw)
     assert "tp" in other.comm_s  # measured at 8 processes, not 4: charged per call and byte
+
+
+def test_r_x_t_takes_the_factor_measured_under_replicate_and_holds_the_dp_reduction():
+    """R2 T2 on 4 processes with the probe's R x T factor (TP under replicate over the other 2):
+    a microbatch costs that factor, and neither the dp_replicate axis nor DDP's own ops are
+    charged again (the probe's step held them); S2 T2 is not R x T and keeps the TP factor and
+    its dp_shard traffic."""
+    import dataclasses
+
+    config = apply_overrides(load("tiny"), ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                                            "--parallel.tp", "2"])
+    args, dims = check(config, 4)
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    traffic = bytes_per_step(args, dims, **kw)
+    tp_only = Hardware(cores=2, nproc=4, collectives=((2, 1e-3, 3e8), (4, 2e-3, 1e8)), tp_factors=((2, True, 3.0),))
+    with_ddp = dataclasses.replace(tp_only, tp_ddp_factors=((2, True, 4.0),))
+    before, after = (step_time(args, dims, traffic, hw, **kw) for hw in (tp_only, with_ddp))
+    assert "dp_replicate" in before.comm_s and "dp_replicate" not in after.comm_s and "tp" not in after.comm_s
+    from plait.plan.shapes import stage_params, stages_of
+
+    params = sum(len(stage_params(args, dims, s, 0)) for s in stages_of(dims, 0))
+    opt = 2 * _step_ops_s(args, dims, tp_only)  # stretched 2x: 4 ranks on 2 cores
+    plain_mb = (before.compute_s - opt) / 3.0  # the plain model's microbatch, as the 4 ranks take it
+    ddp_ops = 2 * 2 * params * with_ddp.op_s  # DDP_OPS_PER_PARAM, stretched
+    assert after.compute_s == pytest.approx(4.0 * plain_mb + opt - ddp_ops)
+    shard = apply_overrides(load("tiny"), ["--parallel.dp_shard", "2", "--parallel.tp", "2"])
+    args, dims = check(shard, 4)
+    st = step_time(args, dims, bytes_per_step(args, dims, **kw), with_ddp, **kw)
+    assert "dp_shard" in st.comm_s and st.compute_s == pytest.approx(
+        step_time(args, dims, bytes_per_step(args, dims, **kw), tp_only, **kw).compute_s)
 
 
 def test_oversubscribed_pipeline_ranks_fill_one_another_s_bubbles():
