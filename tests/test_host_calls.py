@@ -28,17 +28,22 @@ FLOOR = 400  # forward + backward + AdamW of a 2-layer Llama alone makes more ca
 
 # measured (the max over the two ranks) -> bound, about +10%
 BOUNDS = {
-    "DDP": 574,  # 522 (556 before the bucket all-reduce became a prepared one at the door,
-    #              forward lost its dynamo-disable wrapper frames and the reducer's per-step helpers
-    #              were inlined; 595 before the gradient hooks became C calls and a countdown, a
-    #              Python frame per bucket; 1064 before the buffer walk and the one-call gradient hook)
-    "replicate": 497,  # 455 (496 before the same cuts, and pre/post_forward's dynamo-disable wrappers
-    #                    became marks; they stay module hooks, as torch's; 527 before the countdown; no
-    #                    buffer broadcast: torch's replicate syncs parameters only)
-    "FSDP2": 1795,  # 1630 (2934 before the one-frame DTensor dispatch and the engine's inline loops)
-    "FSDP1": 1810,  # 1644 (2946 before, the same two cuts)
-    "TP + SP": 8895,  # 8086 (10076 before the one-frame DTensor dispatch)
-    "PP 1F1B": 1690,  # 1531 (the last stage; the first makes 704)
+    "DDP": 569,  # 517 (522 before the flight recorder's entry became a tuple made an Entry when read
+    #              and the reducer's last countdown was set inline; 556 before the bucket all-reduce
+    #              became a prepared one at the door, forward lost its dynamo-disable wrapper frames
+    #              and the reducer's per-step helpers were inlined; 595 before the gradient hooks
+    #              became C calls and a countdown, a Python frame per bucket; 1064 before the buffer
+    #              walk and the one-call gradient hook)
+    "replicate": 497,  # 452 (455 before the same two cuts, torch's replicate 1332 against plait's 1332
+    #                    at 8 layers; 496 before the prepared all-reduce, and pre/post_forward's
+    #                    dynamo-disable wrappers became marks; they stay module hooks, as torch's; 527
+    #                    before the countdown; no buffer broadcast: torch's replicate syncs parameters only)
+    "FSDP2": 1770,  # 1609 (1625 before the recorder's tuple; 2934 before the one-frame DTensor dispatch
+    #                 and the engine's inline loops)
+    "FSDP1": 1785,  # 1623 (1639 before the recorder's tuple; 2946 before, the same two cuts)
+    "TP + SP": 8232,  # 7484 (7560 before the recorder's tuple, 8086 at an earlier commit; 10076
+    #                   before the one-frame DTensor dispatch)
+    "PP 1F1B": 1658,  # 1507 (1523 before the recorder's tuple; the last stage; the first makes 680)
 }
 
 

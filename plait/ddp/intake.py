@@ -101,7 +101,12 @@ class GradientIntake:
                 for i in index:
                     self._arrive(i)
         finally:
-            self._arm()
+            if self.phase is Phase.BACKWARD and self._next >= len(self.buckets):
+                countdown = self._countdown  # every bucket launched: _arm's count of 1, inline
+                countdown.clear()  # (the end of each backward; a frame less)
+                countdown.append(self._take_in)
+            else:
+                self._arm()
 
     def _arrive(self, i: int) -> None:
         """One gradient outside the common path (PREPARED, static_graph)."""

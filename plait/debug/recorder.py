@@ -10,7 +10,8 @@ ints, never a tensor; the event's c10d Work is dropped when the op completes (or
 is dropped) — so a full ring keeps no buffer alive. Timestamps are perf_counter_ns, written
 as wall-clock nanoseconds, so the dumps of different ranks line up. Recording is one small
 object and one deque append under the GIL, and no call at completion: on the hot path the
-default-on recorder costs about a microsecond per op besides the call site's frame walk.
+default-on recorder costs about a microsecond per op besides the call site's frame walk
+(alone, it puts a tuple, and the Entry is made when a dump reads it: no Python frame per op).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from plait.debug.callsite import Site
 SCHEDULED, STARTED, COMPLETED = "scheduled", "started", "completed"
 P2P_OPS = frozenset({"send", "recv"})
 
-_IDS = itertools.count(1)  # entry ids, unique in this process whether or not a ring keeps them
+ENTRY_IDS = itertools.count(1)  # entry ids, unique in this process whether or not a ring keeps them
 
 # perf_counter_ns (what events carry) -> wall-clock ns; drift over a job is negligible
 _WALL_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
@@ -128,7 +129,7 @@ class Entry:
 
 def new_entry(event: CommEvent, site: Site | None, stack: list[Site] | None = None,
               t_started: int | None = None) -> Entry:
-    return Entry(next(_IDS), event, site, stack, t_started)
+    return Entry(next(ENTRY_IDS), event, site, stack, t_started)
 
 
 class FlightRecorder:
@@ -138,18 +139,22 @@ class FlightRecorder:
         if capacity <= 0:
             raise ValueError(f"flight recorder capacity must be > 0, got {capacity}")
         self.capacity = capacity
-        self._ring: deque[Entry] = deque(maxlen=capacity)
-        self.total = 0  # ops recorded since start, evicted ones included
+        # Entries, or (id, event, site, stack, t_started) tuples put by the session's hot path
+        # through `append` (the deque's own, a C call): their Entry is made when read
+        self._ring: deque[Entry | tuple] = deque(maxlen=capacity)
+        self.append = self._ring.append
+        self.total = 0  # ops recorded since start, evicted ones included; `append`'s caller counts
 
     def record(self, event: CommEvent, site: Site | None, stack: list[Site] | None = None,
                t_started: int | None = None) -> Entry:
-        entry = Entry(next(_IDS), event, site, stack, t_started)
+        entry = Entry(next(ENTRY_IDS), event, site, stack, t_started)
         self._ring.append(entry)  # one C call; the deque drops the oldest when full
         self.total += 1
         return entry
 
     def entries(self) -> list[Entry]:
-        return list(self._ring.copy())  # deque.copy runs in C under the GIL: a consistent snapshot
+        # deque.copy runs in C under the GIL: a consistent snapshot
+        return [e if type(e) is Entry else Entry(*e) for e in self._ring.copy()]
 
     def snapshot(self) -> list[dict]:
         return [e.to_dict() for e in self.entries()]

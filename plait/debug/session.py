@@ -38,7 +38,7 @@ from plait.debug.check import (
 )
 from plait.debug.config import DebugConfig
 from plait.debug.desync import EXITED, FAILED
-from plait.debug.recorder import Entry, FlightRecorder, new_entry
+from plait.debug.recorder import ENTRY_IDS, Entry, FlightRecorder, new_entry
 from plait.debug.watchdog import Watchdog, group_timeout_s
 
 _KEY = "plait.debug"  # where a session keeps its Entry in event.extra
@@ -65,8 +65,10 @@ class Session(events.CommListener):
         frame = user_frame(sys._getframe(1))  # call_site(1), inline: once per op
         site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
         trail = stack(1) if self.config.stacks else None
-        if not self.wants_end:  # the recorder alone: no check, so the op starts as it is issued
-            self.recorder.record(event, site, trail, event.start_ns)
+        if not self.wants_end:  # the recorder alone: no check, so the op starts as it is issued;
+            rec = self.recorder  # FlightRecorder.record inline: a tuple, no frame (an Entry when read)
+            rec.append((next(ENTRY_IDS), event, site, trail, event.start_ns))
+            rec.total += 1
             return
         entry = self.recorder.record(event, site, trail) if self.recorder else new_entry(event, site, trail)
         event.extra[_KEY] = entry

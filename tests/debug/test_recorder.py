@@ -56,3 +56,28 @@ def test_off_with_no_recorder_installs_nothing_at_the_door():
         assert mode.get_total_counts() == 1
     assert isinstance(events._debug, session.Session), "the default recorder is back"
     assert comm.listeners() == (), "plait.debug's session is not one of the listeners users add"
+
+
+def test_a_ring_of_tuples_and_entries_reads_as_entries_in_order():
+    """The session's hot path puts (id, event, site, stack, t_started) tuples (the recorder
+    alone); a session with checks records Entries: both read back as Entries, oldest first,
+    with their ids, and the ring's bound and drop count hold across both."""
+    from plait.debug.recorder import ENTRY_IDS, Entry, FlightRecorder
+
+    def event(seq):
+        return events.CommEvent(op="all_reduce", group_name="g", group_ranks=(0, 1), rank=0, seq=seq,
+                                input_shapes=((2,),), input_dtypes=(torch.float32,), output_shapes=((2,),),
+                                output_dtypes=(torch.float32,), bytes_sent=8)
+
+    rec = FlightRecorder(3)
+    for seq in range(1, 5):
+        if seq % 2:
+            rec.append((next(ENTRY_IDS), event(seq), ("f.py", seq, "fn"), None, 7))
+            rec.total += 1
+        else:
+            rec.record(event(seq), ("f.py", seq, "fn"))
+    got = rec.entries()
+    assert all(type(e) is Entry for e in got) and [e.seq for e in got] == [2, 3, 4]
+    assert [e.id for e in got] == sorted(e.id for e in got) and rec.dropped == 1
+    assert got[1].t_started == 7 and got[1].state == "started" and got[0].state == "scheduled"
+    assert [d["site"] for d in rec.snapshot()] == [["f.py", 2, "fn"], ["f.py", 3, "fn"], ["f.py", 4, "fn"]]
