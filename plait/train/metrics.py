@@ -22,10 +22,15 @@ import resource
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.models.llama import ModelArgs
+
+if TYPE_CHECKING:  # the trainer's types; it imports this module
+    from plait.train.config import JobConfig
+    from plait.train.layout import ParallelDims
 
 CPU_PEAK_FLOPS = 1e12
 CUDA_PEAK_FLOPS = 989e12
@@ -140,3 +145,42 @@ def summary_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 2 + max(len(v) for _, v in rows))
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+
+
+def summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, recs: list[StepRecord],
+            val_losses: dict[int, float], graph_breaks: int, wall: float, device_type: str) -> str:
+    """The table plait train prints at the end (rank 0): layout, model, loss, throughput,
+    memory, bytes; from the step records."""
+    if not recs:
+        return "no steps run (already at training.steps)"
+    timed = recs[1:] or recs  # the first step includes warm-up (compile, first gathers)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    rows = [
+        ("layout", dims.describe()),
+        ("model", f"{config.model.name}: {args.num_params():,} parameters, {args.n_layers} layers, "
+                  f"vocab {args.vocab_size}"),
+        ("steps", f"{recs[0].step}..{recs[-1].step} ({len(recs)} run, {wall:.1f} s)"),
+        ("loss", f"{recs[0].loss:.4f} -> {recs[-1].loss:.4f}"),
+    ]
+    if val_losses:
+        first, last = min(val_losses), max(val_losses)
+        rows.append(("val loss", f"{val_losses[first]:.4f} (step {first}) -> "
+                                 f"{val_losses[last]:.4f} (step {last})"))
+    rows += [
+        ("tokens/s", f"{mean([r.tokens_per_s for r in timed]):.0f} global, "
+                     f"{mean([r.tokens_per_s_per_rank for r in timed]):.0f} per rank"),
+        ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {peak_flops(config.metrics.peak_flops, device_type):.3g} "
+                "FLOP/s per rank (metrics.peak_flops)"),
+        ("peak memory", f"{max(r.peak_memory_mib for r in recs):.0f} MiB per rank (max; CPU: peak RSS)"),
+    ]
+    live = [r.peak_live_bytes for r in recs if r.peak_live_bytes is not None]
+    if live:
+        rows.append(("peak live tensors", f"{max(live) / 2**20:.2f} MiB per rank (max; one step, "
+                                          "metrics.live_bytes)"))
+    rows += [
+        ("bytes sent", ", ".join(f"{k or 'none'} {v:,}" for k, v in (recs[-1].bytes_sent_by_axis or {}).items())
+         + " per step (this rank's last; plait plan --compare predicts them)"),
+    ]
+    if config.compile.enabled:
+        rows.append(("graph breaks", str(graph_breaks)))
+    return summary_table(rows)

@@ -26,8 +26,8 @@ import torch
 
 from plait import comm
 from plait.data.text import TokenWindows, build_corpus
-from plait.models.llama import ModelArgs, Transformer
-from plait.tensor import DTensor, Replicate
+from plait.models.llama import Transformer
+from plait.tensor import DTensor
 from plait.train import metrics as M
 from plait.train.checkpointing import (
     Checkpointer,
@@ -37,6 +37,7 @@ from plait.train.checkpointing import (
 )
 from plait.train.config import JobConfig
 from plait.train.data import BatchStream, val_batches
+from plait.train.grads import grad_norm_sq, reduce_partial_grads
 from plait.train.layout import ParallelDims, build_meshes, check, model_args  # noqa: F401 (re-exported)
 from plait.train.parallelize import PipelineParts, build_parts, lm_loss
 
@@ -64,40 +65,6 @@ def _lr_lambda(config: JobConfig):
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def reduce_partial_grads(params: list[torch.nn.Parameter]) -> None:
-    """Make every grad complete: a Partial(sum) DTensor grad (a replicated parameter fed by
-    sharded activations, e.g. a SequenceParallel norm's weight) is all-reduced to Replicate, so
-    the grad norm below and the optimizer see the sum, reduced once."""
-    for p in params:
-        g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
-                                                    for pl in g.placements])
-
-
-def grad_norm_sq(params: list[torch.nn.Parameter], *, world: int, pp: int) -> torch.Tensor:
-    """This rank's share of the squared global grad norm: summed over the world it is the whole
-    model's. A piece held identically by k ranks (a Replicate axis, or a plain tensor every rank
-    of a pipeline stage holds) adds 1/k of its square on each."""
-    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
-    per_stage = world // pp
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            mesh = g.device_mesh
-            copies = per_stage // mesh.size()
-            for axis, pl in enumerate(g.placements):
-                if pl.is_replicate():
-                    copies *= mesh.size(axis)
-            local = g.to_local()
-        else:
-            copies, local = per_stage, g
-        total += local.double().pow(2).sum() / copies
-    return total
 
 
 def _losses_of(parts: PipelineParts, out: object) -> torch.Tensor:
@@ -292,7 +259,8 @@ def train(config: JobConfig) -> TrainResult:
     result.records = log.records
     result.graph_breaks = _graph_breaks() - graph_breaks_before
     log.close()
-    result.summary = _summary(config, dims, args, result, wall, device_type)
+    result.summary = M.summary(config, dims, args, result.records, result.val_losses, result.graph_breaks,
+                               wall, device_type)
     if rank == 0:
         log_path = Path(jsonl)
         if log_path.exists():
@@ -308,41 +276,3 @@ def _graph_breaks() -> int:
     from torch._dynamo.utils import counters
 
     return sum(counters["graph_break"].values())
-
-
-def _summary(config: JobConfig, dims: ParallelDims, args: ModelArgs, result: TrainResult, wall: float,
-             device_type: str) -> str:
-    recs = result.records
-    if not recs:
-        return "no steps run (already at training.steps)"
-    timed = recs[1:] or recs  # the first step includes warm-up (compile, first gathers)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    rows = [
-        ("layout", dims.describe()),
-        ("model", f"{config.model.name}: {args.num_params():,} parameters, {args.n_layers} layers, "
-                  f"vocab {args.vocab_size}"),
-        ("steps", f"{recs[0].step}..{recs[-1].step} ({len(recs)} run, {wall:.1f} s)"),
-        ("loss", f"{recs[0].loss:.4f} -> {recs[-1].loss:.4f}"),
-    ]
-    if result.val_losses:
-        first, last = min(result.val_losses), max(result.val_losses)
-        rows.append(("val loss", f"{result.val_losses[first]:.4f} (step {first}) -> "
-                                 f"{result.val_losses[last]:.4f} (step {last})"))
-    rows += [
-        ("tokens/s", f"{mean([r.tokens_per_s for r in timed]):.0f} global, "
-                     f"{mean([r.tokens_per_s_per_rank for r in timed]):.0f} per rank"),
-        ("MFU", f"{100 * mean([r.mfu for r in timed]):.3f}% of {M.peak_flops(config.metrics.peak_flops, device_type):.3g} "
-                "FLOP/s per rank (metrics.peak_flops)"),
-        ("peak memory", f"{max(r.peak_memory_mib for r in recs):.0f} MiB per rank (max; CPU: peak RSS)"),
-    ]
-    live = [r.peak_live_bytes for r in recs if r.peak_live_bytes is not None]
-    if live:
-        rows.append(("peak live tensors", f"{max(live) / 2**20:.2f} MiB per rank (max; one step, "
-                                          "metrics.live_bytes)"))
-    rows += [
-        ("bytes sent", ", ".join(f"{k or 'none'} {v:,}" for k, v in (recs[-1].bytes_sent_by_axis or {}).items())
-         + " per step (this rank's last; plait plan --compare predicts them)"),
-    ]
-    if config.compile.enabled:
-        rows.append(("graph breaks", str(result.graph_breaks)))
-    return M.summary_table(rows)
