@@ -333,7 +333,8 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         packed = {}
         for k, v in entries[0].items():
             if not (isinstance(v, torch.Tensor) and v.dim() > 0):
-                packed[k] = v  # step: one scalar for the flat parameter
+                # step: one scalar for the flat parameter, a copy: the optimizer steps it in place
+                packed[k] = v.clone() if isinstance(v, torch.Tensor) else v
                 continue
             buf = torch.zeros(group_.total, dtype=v.dtype, device=params[i].device)  # (S,)
             for (fqn, fp, off), e in zip(items, entries):
