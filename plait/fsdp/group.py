@@ -17,6 +17,10 @@
                reduce_dtype -> one reduce-scatter (sum) on the shard axis -> (S,) -> HSDP:
                all-reduce on the replicate axis -> / data-parallel size -> sharded .grad
 
+FSDP1's use_orig_params=False (fsdp1/flat_param.py): the (S,) all-gather input is the unit's
+flat parameter itself (each sharded local a view of it: no copy-in), and the reduced (S,)
+becomes its .grad (no per-parameter landing); the original names hold None between steps.
+
 S is the sum of every parameter's padded shard numel P_i. The flat buffer is allocated once
 and refilled in place, so tensors autograd saved in forward (the parameter, views of it)
 see the values of the re-gather in backward.

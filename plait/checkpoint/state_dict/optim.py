@@ -111,7 +111,7 @@ def _flat_get(fsdp: Any, model: nn.Module, optim: torch.optim.Optimizer) -> dict
 def _flat_set(fsdp: Any, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
     """Load `optim`'s part of a merged FQN-keyed state (nested or flattened) through FSDP's
     optim_state_dict_to_load, which packs each flat parameter's state back."""
-    from plait.fsdp.fsdp1.state_dict import _param_fqns
+    from plait.fsdp.fsdp1.optim_state import _param_fqns
 
     names, _ = _param_fqns(model, optim)
     mine = [fqn for fqns in names for fqn in fqns]
@@ -281,7 +281,7 @@ def set_optim_state(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...],
     per_optim = [(optim, None if fsdp is not None else _fqn_of(model, optim)) for optim in optims]
     if options.broadcast_from_rank0:
         if fsdp is not None:
-            from plait.fsdp.fsdp1.state_dict import _param_fqns
+            from plait.fsdp.fsdp1.optim_state import _param_fqns
 
             mine = {n for optim in optims for names in _param_fqns(model, optim)[0] for n in names}
         else:

@@ -23,6 +23,8 @@ numel as each other, and an element sits at another offset: the flat parameter, 
 and optim.state_dict() differ; everything keyed by FQN is the same (state dicts,
 FSDP.optim_state_dict / optim_state_dict_to_load, summon_full_params, clip_grad_norm_).
 Between steps torch's original attributes are views of freed memory, plait's are None.
+rekey_optim_state_dict refuses such a model (its ids would index torch's layout);
+LOCAL_STATE_DICT gives per-parameter local shards, as with use_orig_params=True.
 """
 
 from __future__ import annotations

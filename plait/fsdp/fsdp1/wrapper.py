@@ -55,7 +55,7 @@ from torch import nn
 from plait import comm
 from plait.device_mesh import DeviceMesh
 from plait.fsdp.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from plait.fsdp.fsdp1 import flat_param
+from plait.fsdp.fsdp1 import flat_param, optim_state
 from plait.fsdp.fsdp1 import init as fsdp1_init
 from plait.fsdp.fsdp1 import state_dict as sd_hooks
 from plait.fsdp.fsdp1.api import (
@@ -295,8 +295,8 @@ class FullyShardedDataParallel(nn.Module):
     state_dict_type = staticmethod(sd_hooks.state_dict_type)
     set_state_dict_type = staticmethod(sd_hooks.set_state_dict_type)
     get_state_dict_type = staticmethod(sd_hooks.get_state_dict_type)
-    optim_state_dict = staticmethod(sd_hooks.optim_state_dict)
-    optim_state_dict_to_load = staticmethod(sd_hooks.optim_state_dict_to_load)
+    optim_state_dict = staticmethod(optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
     rekey_optim_state_dict = staticmethod(rekey_optim_state_dict)
 
 
