@@ -6,7 +6,12 @@ policy (units MLP, Block, Block), world 2 and 3, AdamW and SGD(momentum): per st
 (rtol 1e-5) and clip_grad_norm_'s norm (rtol 1e-5), a step with two backwards accumulated
 without zero_grad, one under no_sync; at the end named_parameters()'s names (equal), the FULL
 state dict and the FULL optim_state_dict (atol 2e-5 / rtol 1e-4: the sums run in another
-order). Round trips of SHARDED/FULL optim_state_dict and state dicts continue bit for bit.
+order). Also against torch: SHARD_GRAD_OP, NO_SHARD, bf16 mixed precision (world 3), HYBRID
+(2 x 2), units wrapped by hand with an ignored module, and the tied-weight Llama under
+activation checkpointing (names through `_checkpoint_wrapped_module.`). Against plait itself:
+round trips of SHARDED/FULL/LOCAL model and optimizer state continue bit for bit, CPU offload
+trains exactly as without (torch's needs an accelerator), torch.compile as eager; the flat
+parameter's views, zero padding and .grad; summon_full_params; the errors of torch's rules.
 """
 
 from __future__ import annotations
@@ -271,3 +276,64 @@ def test_rekey_refuses_flat_parameters():
     opt = _opt("adamw", model.parameters())
     with pytest.raises(ValueError, match="optim_state_dict_to_load"):
         type(model).rekey_optim_state_dict(opt.state_dict(), OptimStateKeyType.PARAM_NAME, model, optim=opt)
+
+
+@distributed([2])
+def test_llama_tied_with_activation_checkpointing_like_torch():
+    """The reference Llama with a tied embedding/output weight (one flat parameter holds it
+    once), activation checkpointing applied after wrapping (torch's names then pass through
+    `_checkpoint_wrapped_module.`): losses every step, names, FULL state dict and optimizer
+    state as torch's FSDP1."""
+    from plait.models.llama import TransformerBlock
+    from tests.fsdp.test_llama import _rows, train
+    from tests.models.test_llama_tp import build as build_llama
+
+    _, rank, n = world()
+    runs = {}
+    for lib in ("plait", "torch"):
+        fsdp, wrap = _lib(lib)
+        if lib == "torch":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        else:
+            from plait.activation_checkpoint import apply_activation_checkpointing
+        policy = functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
+        model = fsdp.FullyShardedDataParallel(build_llama("tiny", tie=True), auto_wrap_policy=policy,
+                                              device_id=torch.device("cpu"))
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock))
+        losses = train(model, rows=_rows(rank, n), steps=3)
+        names = [name for name, _ in model.named_parameters()]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a state to compare: one more step
+        lm = model(torch.arange(8).view(1, 8)).float().sum()
+        lm.backward()
+        opt.step()
+        runs[lib] = (losses, names, *_full(lib, model, opt))
+    (losses, names, sd, osd), (t_losses, t_names, t_sd, t_osd) = runs["plait"], runs["torch"]
+    torch.testing.assert_close(losses, t_losses, rtol=1e-5, atol=1e-6)
+    assert names == t_names and any("_checkpoint_wrapped_module._flat_param" in x for x in names), names
+    assert list(sd) == list(t_sd)
+    for k, v in t_sd.items():
+        torch.testing.assert_close(sd[k], v, atol=1e-4, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert osd["param_groups"][0]["params"] == t_osd["param_groups"][0]["params"]
+    for fqn, entry in t_osd["state"].items():
+        for k, v in entry.items():
+            torch.testing.assert_close(osd["state"][fqn][k], v, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, f=fqn, k=k: f"{f}.{k}: {m}")
+
+
+@distributed([2])
+def test_compiled_trains_like_eager():
+    """torch.compile (aot_eager) over the flat wrapper: its step, with no_sync and clipping,
+    gives the eager wrapper's losses and norms (atol 1e-6, float32) and no recompile after
+    the first step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    *_, eager = _train("plait", "adamw")
+    compiled = torch.compile(_model("plait"), backend="aot_eager")
+    _, opt, first = _train("plait", "adamw", steps=2, model=compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    *_, rest = _train("plait", "adamw", steps=STEPS - 2, model=compiled, opt=opt, first=2)
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (graphs, dict(counters["stats"]))
+    torch.testing.assert_close(torch.cat([first, rest]), eager, rtol=0, atol=1e-6)

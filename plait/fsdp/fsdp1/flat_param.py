@@ -5,7 +5,9 @@ unit, torch's FlatParameter by name and meaning, on the engine's own (S,) layout
     flat (S,) in the parameters' dtype on their shard device (CPU under CPU offload):
         param i's sharded local (local_rows_i, *rest_i) is the view flat[off_i : off_i + local_numel_i];
         the rest of its P_i block is padding, zero (its gradient is always zero there)
-    registered: wrapped_module._parameters["_flat_param"] = nn.Parameter(flat), so that
+    registered: wrapped_module._parameters["_flat_param"] = nn.Parameter(flat) (the module the
+        unit wrapped, kept as unit._flat_owner: activation checkpointing applied later puts a
+        CheckpointWrapper between, as in torch's names), so that
         named_parameters() gives torch's names (`_fsdp_wrapped_module._flat_param`,
         `_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._flat_param`, ...); the original
         names hold no parameter (None) between steps, the unsharded parameters during forward
@@ -78,22 +80,24 @@ def flatten(wrapped: nn.Module, group: ParamGroup, where: str) -> nn.Parameter:
     return flat_param
 
 
-def expose(wrapped: nn.Module, group: ParamGroup | None) -> None:
+def expose(unit: nn.Module) -> None:
     """The sharded DTensors under their original names, no flat parameter (state dicts)."""
+    group = unit._state.group
     if group is None or group.flat_param is None:
         return
     for p in group.params:
         p.register(p.sharded)
-    wrapped._parameters[FLAT_PARAM] = None
+    unit._flat_owner._parameters[FLAT_PARAM] = None
 
 
-def hide(wrapped: nn.Module, group: ParamGroup | None) -> None:
+def hide(unit: nn.Module) -> None:
     """Back to the flat parameter, the original names holding None."""
+    group = unit._state.group
     if group is None or group.flat_param is None:
         return
     for p in group.params:
         p.register(None)
-    wrapped._parameters[FLAT_PARAM] = group.flat_param
+    unit._flat_owner._parameters[FLAT_PARAM] = group.flat_param
 
 
 def flat_members(model: nn.Module, clean: Any) -> dict[int, tuple[ParamGroup, list[tuple[str, Any, int]]]]:

@@ -64,10 +64,10 @@ def install(unit: nn.Module) -> None:
                                                   FullOptimStateDictConfig())
     # (after the engine's pre-hooks, which reshard) use_orig_params=False: the original names
     # hold the sharded DTensors while the dicts are built or loaded, the flat parameter none
-    unit.register_state_dict_pre_hook(lambda m, *args: flat.expose(m.module, m._state.group))
+    unit.register_state_dict_pre_hook(lambda m, *args: flat.expose(m))
     unit._register_state_dict_hook(_post_state_dict)
     unit.register_load_state_dict_pre_hook(_pre_load_state_dict)
-    unit.register_load_state_dict_post_hook(lambda m, *args: flat.hide(m.module, m._state.group))
+    unit.register_load_state_dict_post_hook(lambda m, *args: flat.hide(m))
 
 
 def _units(module: nn.Module) -> list[nn.Module]:
@@ -80,7 +80,7 @@ def _units(module: nn.Module) -> list[nn.Module]:
 
 
 def _post_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> dict[str, Any]:
-    flat.hide(unit.module, unit._state.group)
+    flat.hide(unit)
     replace_prefix(state_dict, prefix + _PREFIX, prefix)
     settings = unit._state_dict_settings
     kind, config = settings.state_dict_type, settings.state_dict_config
@@ -148,7 +148,7 @@ def _pre_load_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: st
     group = unit._plait_fsdp_state.group
     if group is None:
         return
-    flat.expose(unit.module, group)
+    flat.expose(unit)
     paths = {id(m): path for path, m in nn.Module.named_modules(unit)}
     for fp in group.params:
         for module, name in fp.sites:
@@ -257,7 +257,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         flat_grad = None
         if s.group.flat_param is not None:  # torch's: the flat parameter is hidden within
             flat_grad = s.group.flat_param.grad
-            unit.module._parameters[flat.FLAT_PARAM] = None
+            unit._flat_owner._parameters[flat.FLAT_PARAM] = None
             unit._summoning += 1
             summoned.append(unit)
         for fp, off in zip(s.group.params, s.group.offsets):
@@ -285,7 +285,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             fp.register_resting()
         for unit in summoned:
             unit._summoning -= 1
-            unit.module._parameters[flat.FLAT_PARAM] = unit._state.group.flat_param
+            unit._flat_owner._parameters[flat.FLAT_PARAM] = unit._state.group.flat_param
 
 
 __all__ = ["get_state_dict_type", "install", "set_state_dict_type", "state_dict_type", "summon_full_params"]

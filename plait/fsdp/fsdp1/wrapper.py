@@ -175,6 +175,9 @@ class FullyShardedDataParallel(nn.Module):
             state.backward_prefetch = []
         state.prefetch_after_backward = backward_prefetch is BackwardPrefetch.BACKWARD_POST
         self._summoning = 0  # summon_full_params depth: names lose the wrapper prefix within (torch's)
+        # holds `_flat_param` (use_orig_params=False) wherever it moves (activation checkpointing
+        # wraps it later); a plain attribute, not a second registration of the submodule
+        self.__dict__["_flat_owner"] = module
         if not use_orig_params and state.group is not None:
             flat_param.flatten(module, state.group, where)
         self.register_forward_pre_hook(self._root_casts, prepend=True, with_kwargs=True)
