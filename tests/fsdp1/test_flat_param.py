@@ -293,7 +293,9 @@ def test_llama_tied_with_activation_checkpointing_like_torch():
     for lib in ("plait", "torch"):
         fsdp, wrap = _lib(lib)
         if lib == "torch":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
         else:
             from plait.activation_checkpoint import apply_activation_checkpointing
         policy = functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
