@@ -339,3 +339,18 @@ def test_compiled_trains_like_eager():
     *_, rest = _train("plait", "adamw", steps=STEPS - 2, model=compiled, opt=opt, first=2)
     assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (graphs, dict(counters["stats"]))
     torch.testing.assert_close(torch.cat([first, rest]), eager, rtol=0, atol=1e-6)
+
+
+@distributed([2])
+def test_checkpoint_ignores_a_frozen_flat_parameter():
+    """plait.checkpoint's ignore_frozen_params drops the original names of a unit whose flat
+    parameter is frozen (every parameter in it is: torch's rule)."""
+    from plait.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    module = build("mlp")
+    module.blocks[0].requires_grad_(False)
+    model = _model_of(module)
+    assert not model.blocks[0]._flat_owner._flat_param.requires_grad
+    every = get_model_state_dict(model)
+    kept = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    assert sorted(set(every) - set(kept)) == ["blocks.0.lin.bias", "blocks.0.lin.weight"], sorted(kept)
