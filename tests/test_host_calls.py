@@ -40,7 +40,12 @@ BOUNDS = {
     #                    before the countdown; no buffer broadcast: torch's replicate syncs parameters only)
     "FSDP2": 1770,  # 1609 (1625 before the recorder's tuple; 2934 before the one-frame DTensor dispatch
     #                 and the engine's inline loops)
-    "FSDP1": 1785,  # 1623 (1639 before the recorder's tuple; 2946 before, the same two cuts)
+    "FSDP1": 894,  # 813 (829 before the recorder's tuple): use_orig_params=False (torch's default), one
+    #              flat parameter per unit, so AdamW steps 3 plain tensors, not 20 DTensors (1639
+    #              before, the per-parameter path below)
+    "FSDP1 use_orig_params": 1785,  # 1623 (1639 before the recorder's tuple, 1644 when it was the
+    #                                 default path; 2946 before the one-frame DTensor dispatch and the
+    #                                 engine's inline loops)
     "TP + SP": 8232,  # 7484 (7560 before the recorder's tuple, 8086 at an earlier commit; 10076
     #                   before the one-frame DTensor dispatch)
     "PP 1F1B": 1658,  # 1507 (1523 before the recorder's tuple; the last stage; the first makes 680)
@@ -61,14 +66,15 @@ def _steps(tokens: torch.Tensor) -> dict:
             fsdp.fully_shard(block)
         return fsdp.fully_shard(model)
 
-    def fsdp1():
+    def fsdp1(use_orig_params=False):
         policy = partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
         return fsdp.FullyShardedDataParallel(hc.host_model(LAYERS), auto_wrap_policy=policy,
-                                             device_id=torch.device("cpu"))
+                                             device_id=torch.device("cpu"), use_orig_params=use_orig_params)
 
     steps = {}
     for name, build in (("DDP", lambda: DistributedDataParallel(hc.host_model(LAYERS))),
-                        ("replicate", lambda: replicate(hc.host_model(LAYERS))), ("FSDP2", fsdp2), ("FSDP1", fsdp1)):
+                        ("replicate", lambda: replicate(hc.host_model(LAYERS))), ("FSDP2", fsdp2), ("FSDP1", fsdp1),
+                        ("FSDP1 use_orig_params", partial(fsdp1, True))):
         model = build()
         steps[name] = hc.train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens)
     tp = parallelize_llama(hc.host_model(LAYERS), init_device_mesh("cpu", (comm.world_size(),)))

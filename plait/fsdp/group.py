@@ -17,6 +17,10 @@
                reduce_dtype -> one reduce-scatter (sum) on the shard axis -> (S,) -> HSDP:
                all-reduce on the replicate axis -> / data-parallel size -> sharded .grad
 
+FSDP1's use_orig_params=False (fsdp1/flat_param.py): the (S,) all-gather input is the unit's
+flat parameter itself (each sharded local a view of it: no copy-in), and the reduced (S,)
+becomes its .grad (no per-parameter landing); the original names hold None between steps.
+
 S is the sum of every parameter's padded shard numel P_i. The flat buffer is allocated once
 and refilled in place, so tensors autograd saved in forward (the parameter, views of it)
 see the values of the re-gather in backward.
@@ -42,7 +46,7 @@ import torch
 from plait import comm
 from plait.comm import device as streams_api
 from plait.device_mesh import DeviceMesh
-from plait.fsdp.param import FSDPParam
+from plait.fsdp.param import FSDPParam, set_grad
 from plait.tensor.dtensor import _STRIDED, DTensor, _make_wrapper
 
 # Host cost: the loops below run per parameter at every unshard, reshard and reduction. For a
@@ -156,6 +160,10 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.grad_dtype: torch.dtype | None = None  # the sharded .grad's; None: each parameter's own
+        # FSDP1's use_orig_params=False: the (S,) flat parameter (each sharded local a view into
+        # it) is the module's parameter, the all-gather input and, its .grad, the reduced (S,)
+        # (plait/fsdp/fsdp1/flat_param.py); None: per-parameter DTensors, as fully_shard
+        self.flat_param: torch.nn.Parameter | None = None
         self.unshard_count = 0  # all-gathers issued (tests count them)
         self.post_forward_size: int | None = None  # k of reshard_after_forward=k; None: reshard fully
         self.post_forward_group = None
@@ -242,6 +250,9 @@ class ParamGroup:
 
     def _packed_shards(self) -> torch.Tensor:
         """This rank's shards, each refreshed from its parameter, packed at their offsets: (S,)."""
+        flat = self.flat_param
+        if flat is not None:  # already packed: the flat parameter itself (cast/moved if it must be)
+            return flat.detach().to(device=self.device, dtype=self.param_dtype)
         inp = torch.empty(self.total, dtype=self.param_dtype, device=self.device)  # (S,)
         grad_was = torch.is_grad_enabled()
         _set_grad_enabled(False)
@@ -343,8 +354,9 @@ class ParamGroup:
             self.state = ShardedState.SHARDED
         if self.state is ShardedState.SHARDED:
             return
+        flat = self.flat_param is not None  # then the original names hold no parameter between steps
         for p in self.params:
-            sharded = p.sharded
+            sharded = None if flat else p.sharded
             for module, name in p.sites:  # FSDPParam.register, inline
                 module._parameters[name] = sharded
         self._flat.untyped_storage().resize_(0)
@@ -421,6 +433,9 @@ class ParamGroup:
             comm.all_reduce(reduced, group=self.replicate_group)
         reduced.div_(self.dp_size)
         grad_dtype = self.grad_dtype
+        if self.flat_param is not None:
+            self._land_flat_grad(reduced, grad_dtype)
+            return
         grad_was = torch.is_grad_enabled()
         _set_grad_enabled(False)
         try:
@@ -446,6 +461,22 @@ class ParamGroup:
                                     local.device, False, False)  # dtensor.wrap, inline
                 new._local, new._pending, new._spec = local, None, spec
                 sharded.grad = new
+        finally:
+            _set_grad_enabled(grad_was)
+
+    def _land_flat_grad(self, reduced: torch.Tensor, grad_dtype: torch.dtype | None) -> None:
+        """The reduced (S,) is the flat parameter's .grad (padding zero: the reduce-scatter
+        input's padding was), or is added to the one kept from an earlier backward."""
+        flat = self.flat_param
+        dtype = grad_dtype or flat.dtype
+        grad = flat.grad
+        grad_was = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            if grad is None:
+                set_grad(flat, reduced.to(device=flat.device, dtype=dtype))
+            else:  # a low-precision grad adds the float32 sum and rounds once, as take_shard_grad
+                grad.add_(reduced.to(device=grad.device, dtype=None if dtype != flat.dtype else dtype))
         finally:
             _set_grad_enabled(grad_was)
 

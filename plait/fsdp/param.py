@@ -96,6 +96,7 @@ class FSDPParam:
         self.sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None  # created at the first unshard, kept after
         self.acc_grad: torch.Tensor | None = None  # unsharded grads kept in reduce_dtype across no-sync steps
+        self.in_flat = False  # FSDP1's use_orig_params=False: the local is a view of the group's flat parameter
 
     # -- the sharded form ------------------------------------------------------------------
 
@@ -114,6 +115,11 @@ class FSDPParam:
                 f"{self.sharded._spec.placements} (load a sharded state dict, or call load_state_dict "
                 "without assign=True)"
             )
+        if self.in_flat:  # the values go into the flat parameter's view; the parameter stays ours
+            with torch.no_grad():
+                self.local.copy_(current._local_tensor)
+            self.register(self.sharded)
+            return
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=self.requires_grad)
         self.sharded = current
@@ -124,7 +130,12 @@ class FSDPParam:
     def local(self) -> torch.Tensor:
         return self.sharded._local_tensor
 
-    def register(self, which: nn.Parameter) -> None:
+    def register_resting(self) -> None:
+        """Register the form held between steps: the sharded parameter, or nothing when the
+        flat parameter stands for it (FSDP1's use_orig_params=False)."""
+        self.register(None if self.in_flat else self.sharded)
+
+    def register(self, which: nn.Parameter | None) -> None:
         for module, name in self.sites:
             module._parameters[name] = which
 

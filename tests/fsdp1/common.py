@@ -26,6 +26,10 @@ POLICIES = {
 
 
 def wrap(model: nn.Module, policy: str = "transformer", **kwargs) -> FSDP:
+    """FSDP over a policy, with use_orig_params=True unless given: these tests read the
+    per-parameter shards by name (the flat parameter of torch's default,
+    use_orig_params=False, is tested against torch's in test_flat_param.py)."""
+    kwargs.setdefault("use_orig_params", True)
     return FSDP(model, auto_wrap_policy=POLICIES[policy], **kwargs)
 
 

@@ -66,8 +66,8 @@ def test_bad_input():
 def test_manual_nesting_ignored_modules_and_helpers():
     model, ref = build("mlp"), build("mlp")
     for i, b in enumerate(model.blocks):  # wrapping by hand, children first, as FSDP1 scripts do
-        model.blocks[i] = FSDP(b)
-    model = FSDP(model, ignored_modules=[model.head])
+        model.blocks[i] = FSDP(b, use_orig_params=True)  # (the flat parameter's: test_flat_param.py)
+    model = FSDP(model, ignored_modules=[model.head], use_orig_params=True)
     assert units(model) == ["MLP", "Block", "Block"]
     assert [type(u.module).__name__ for u in FSDP.fsdp_modules(model, root_only=True)] == ["MLP"]
     assert type(model.head.weight) is nn.Parameter and not isinstance(model.head.weight, DTensor)

@@ -58,8 +58,15 @@ def local_model_state(model: nn.Module) -> dict[str, tuple[str, Any]]:
 
 
 def frozen_fqns(model: nn.Module) -> set[str]:
-    return {canonical_fqn(model, n) for n, p in model.named_parameters(remove_duplicate=False)
-            if not p.requires_grad}
+    frozen = {canonical_fqn(model, n) for n, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}
+    if any(name.endswith("_flat_param") for name in frozen):  # FSDP1's use_orig_params=False: a
+        from plait.fsdp.fsdp1.flat_param import flat_members  # frozen flat parameter's members
+
+        for group, items in flat_members(model, lambda name: canonical_fqn(model, name)).values():
+            if not group.flat_param.requires_grad:
+                frozen |= {fqn for fqn, _, _ in items}
+    return frozen
 
 
 @torch.no_grad()

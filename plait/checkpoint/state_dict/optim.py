@@ -9,7 +9,9 @@
           -> ids -> optim.load_state_dict
 
 A state tensor of a DTensor parameter is a DTensor like it (`exp_avg`); `step` stays as the
-optimizer keeps it. Tied parameters are one parameter: their state is under the first FQN.
+optimizer keeps it. FullyShardedDataParallel with use_orig_params=False steps flat parameters:
+its own FSDP.optim_state_dict (SHARDED: split per FQN into DTensors) and
+optim_state_dict_to_load (packed back) do the renaming for those, as torch's get_state_dict. Tied parameters are one parameter: their state is under the first FQN.
 Flattened form (torch's): {"state.{fqn}.{key}": v, "param_groups.{fqn}.{key}": v}.
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.checkpoint.state_dict.fqn import param_fqns
+from plait.checkpoint.state_dict.fqn import canonical_fqn, param_fqns
 from plait.checkpoint.state_dict.full import (
     broadcast_flat,
     gather_full,
@@ -79,12 +81,75 @@ def _fqn_of(model: nn.Module, optim: torch.optim.Optimizer) -> dict[torch.Tensor
     return fqns
 
 
+def _flat_fsdp1(model: nn.Module) -> Any:
+    """FullyShardedDataParallel when `model` holds a unit with a flat parameter, else None."""
+    from plait.fsdp.fully_shard import _states
+
+    if not any(s.group is not None and s.group.flat_param is not None for s in _states(model, True)):
+        return None
+    from plait.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _flat_get(fsdp: Any, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    from plait.checkpoint.state_dict.model import sharded_fsdp1
+
+    with sharded_fsdp1(model):
+        osd = fsdp.optim_state_dict(model, optim)
+    # FSDP's order is its units' (the flat parameters'); this module's is the model's own
+    # parameter order, as for every other layout
+    order: dict[str, int] = {}
+    for path, m in nn.Module.named_modules(model):
+        for key in m._parameters:  # (None too: a flattened parameter's name holds None)
+            order.setdefault(canonical_fqn(model, f"{path}.{key}" if path else key), len(order))
+    first = sorted(osd[STATE], key=lambda f: order.get(f, len(order)))
+    return {STATE: {fqn: dict(osd[STATE][fqn]) for fqn in first},
+            PG: [{**g, PARAMS: sorted(g[PARAMS], key=lambda f: order.get(f, len(order)))} for g in osd[PG]]}
+
+
+def _flat_set(fsdp: Any, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+    """Load `optim`'s part of a merged FQN-keyed state (nested or flattened) through FSDP's
+    optim_state_dict_to_load, which packs each flat parameter's state back."""
+    from plait.fsdp.fsdp1.optim_state import _param_fqns
+
+    names, _ = _param_fqns(model, optim)
+    mine = [fqn for fqns in names for fqn in fqns]
+    known = set(mine)
+    if STATE in osd:
+        state = {fqn: v for fqn, v in osd[STATE].items() if fqn in known}
+        groups = [g for g in osd[PG] if set(g[PARAMS]) & known]
+    else:  # flattened: {"state.{fqn}.{key}": v, "param_groups.{fqn}.{key}": v}
+        state, values = {}, {}
+        for key, value in osd.items():
+            section, _, rest = key.partition(".")
+            fqn = max(_prefixes_of(rest, known), key=len, default=None)
+            if fqn is None:
+                continue
+            if section == STATE:
+                state.setdefault(fqn, {})[rest[len(fqn) + 1:]] = value
+            elif section == PG:
+                values.setdefault(fqn, {})[rest[len(fqn) + 1:]] = value
+        groups, pos = [], 0
+        for g in optim.param_groups:
+            fqns = [f for group_names in names[pos:pos + len(g[PARAMS])] for f in group_names]
+            pos += len(g[PARAMS])
+            groups.append({**{k: v for k, v in g.items() if k != PARAMS}, **values.get(fqns[0], {}), PARAMS: fqns})
+    optim.load_state_dict(fsdp.optim_state_dict_to_load(model, optim, {STATE: state, PG: groups}))
+
+
 @torch.no_grad()
 def get_optim_state(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...],
                     options: StateDictOptions) -> dict[str, Any]:
     merged: dict[str, Any] = {STATE: {}, PG: []}
+    fsdp = _flat_fsdp1(model)
     for optim in optims:
         _init_optim_state(optim)
+        if fsdp is not None:
+            osd = _flat_get(fsdp, model, optim)
+            merged[STATE].update(osd[STATE])
+            merged[PG].extend(osd[PG])
+            continue
         fqns = _fqn_of(model, optim)
         ordered = list(chain.from_iterable(g[PARAMS] for g in optim.param_groups))
         osd = optim.state_dict()
@@ -212,9 +277,15 @@ def set_optim_state(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...],
                     options: StateDictOptions) -> None:
     if not isinstance(osd, dict):
         raise TypeError(f"optim_state_dict must be a dict, got {type(osd).__name__}")
-    per_optim = [(optim, _fqn_of(model, optim)) for optim in optims]
+    fsdp = _flat_fsdp1(model)
+    per_optim = [(optim, None if fsdp is not None else _fqn_of(model, optim)) for optim in optims]
     if options.broadcast_from_rank0:
-        mine = {n for _, fqns in per_optim for names in fqns.values() for n in names}
+        if fsdp is not None:
+            from plait.fsdp.fsdp1.optim_state import _param_fqns
+
+            mine = {n for optim in optims for names in _param_fqns(model, optim)[0] for n in names}
+        else:
+            mine = {n for _, fqns in per_optim for names in fqns.values() for n in names}
 
         def wanted(key: str) -> bool:
             return bool(_prefixes_of(key.partition(".")[2], mine))
@@ -225,6 +296,9 @@ def set_optim_state(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...],
         return
     for optim, fqns in per_optim:
         _init_optim_state(optim)
+        if fsdp is not None:
+            _flat_set(fsdp, model, optim, osd)
+            continue
         nested = osd if STATE in osd else _unflatten(optim, fqns, osd, options.strict)
         own, missing = _for_optim(optim, fqns, nested, options.strict, options.full_state_dict)
         if missing and options.strict:

@@ -58,6 +58,15 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
     if keys and isinstance(keys[0], str) == want_names:
         return optim_state_dict
     params = _ordered_params(model, optim_input, optim)
+    from plait.fsdp.fully_shard import _states
+
+    if any(s.group is not None and s.group.flat_param is not None for s in _states(model, True)):
+        # torch maps each flat parameter's id to the names of the parameters in it; plait's flat
+        # layout differs from torch's (flat_param.py), so ids keyed by flat parameter would not load
+        raise ValueError(f"rekey_optim_state_dict does not take {type(model).__name__} with "
+                         "FullyShardedDataParallel(use_orig_params=False) units: key by name with "
+                         "FSDP.optim_state_dict(model, optim) and load with FSDP.optim_state_dict_to_load, "
+                         "or wrap with use_orig_params=True")
     name_of = {id(p): fqn for fqn, p in model.named_parameters(remove_duplicate=False)}
     missing = [i for i, p in enumerate(params) if id(p) not in name_of]
     if missing:

@@ -11,8 +11,7 @@
     model.load_state_dict(sd): each unit's pre-hook adds its prefix back and turns a full
         tensor into this rank's chunk (or a local shard into a DTensor) of its parameter,
         so the module's own loading copies shard into shard.
-    FSDP.optim_state_dict(model, optim): optim.state_dict() keyed by parameter FQN, values
-        converted as the state dict's; optim_state_dict_to_load: the way back.
+    FSDP.optim_state_dict / optim_state_dict_to_load: optim_state.py.
 
 The default, as torch's, is FULL_STATE_DICT with FullStateDictConfig() (every rank gets
 the full tensors). Every rank must call state_dict()/optim_state_dict() together: FULL
@@ -30,6 +29,7 @@ from torch import nn
 
 from plait import comm
 from plait.activation_checkpoint import replace_prefix
+from plait.fsdp.fsdp1 import flat_param as flat
 from plait.fsdp.fsdp1.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -62,8 +62,12 @@ _CONFIGS = {
 def install(unit: nn.Module) -> None:
     unit._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                                                   FullOptimStateDictConfig())
+    # (after the engine's pre-hooks, which reshard) use_orig_params=False: the original names
+    # hold the sharded DTensors while the dicts are built or loaded, the flat parameter none
+    unit.register_state_dict_pre_hook(lambda m, *args: flat.expose(m))
     unit._register_state_dict_hook(_post_state_dict)
     unit.register_load_state_dict_pre_hook(_pre_load_state_dict)
+    unit.register_load_state_dict_post_hook(lambda m, *args: flat.hide(m))
 
 
 def _units(module: nn.Module) -> list[nn.Module]:
@@ -76,6 +80,7 @@ def _units(module: nn.Module) -> list[nn.Module]:
 
 
 def _post_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> dict[str, Any]:
+    flat.hide(unit)
     replace_prefix(state_dict, prefix + _PREFIX, prefix)
     settings = unit._state_dict_settings
     kind, config = settings.state_dict_type, settings.state_dict_config
@@ -143,6 +148,7 @@ def _pre_load_state_dict(unit: nn.Module, state_dict: dict[str, Any], prefix: st
     group = unit._plait_fsdp_state.group
     if group is None:
         return
+    flat.expose(unit)
     paths = {id(m): path for path, m in nn.Module.named_modules(unit)}
     for fp in group.params:
         for module, name in fp.sites:
@@ -221,84 +227,6 @@ def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
             u._state_dict_settings = previous.get(id(u), u._state_dict_settings)
 
 
-# -- optimizer state -----------------------------------------------------------------------
-
-
-def _fqns(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
-
-
-def _optim_params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
-    return [p for g in optim.param_groups for p in g["params"]]
-
-
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                     optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
-    """optim's state keyed by parameter FQN (the model's names), values per the model's
-    state-dict type: FULL gathers (rank0_only: ranks > 0 get {}), SHARDED keeps DTensors."""
-    settings = get_state_dict_type(model)
-    kind, config = settings.state_dict_type, settings.optim_state_dict_config
-    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
-    fqn_of = _fqns(model)
-    params = _optim_params(optim)
-    names = []
-    for p in params:
-        if id(p) not in fqn_of:
-            raise ValueError(f"optim steps on a parameter of shape {tuple(p.shape)} that is not one of "
-                             f"{type(model).__name__}'s; build the optimizer on model.parameters()")
-        names.append(fqn_of[id(p)])
-    state = {}
-    for index, fqn in enumerate(names):
-        if index not in osd["state"]:
-            continue
-        entry = {}
-        for k in sorted(osd["state"][index]):  # the same order on every rank: FULL gathers
-            v = osd["state"][index][k]
-            if isinstance(v, DTensor):
-                v = v.full_tensor() if kind is StateDictType.FULL_STATE_DICT else \
-                    v._local_tensor if kind is StateDictType.LOCAL_STATE_DICT else v
-            if config.offload_to_cpu and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                v = v.cpu()
-            entry[k] = v
-        state[fqn] = entry
-    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0:
-        return {}
-    groups = []
-    pos = 0
-    for g in osd["param_groups"]:
-        groups.append({**g, "params": names[pos:pos + len(g["params"])]})
-        pos += len(g["params"])
-    return {"state": state, "param_groups": groups}
-
-
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
-                             is_named_optimizer: bool = False, load_directly: bool = False,
-                             group: Any = None) -> dict[str, Any]:
-    """An FQN-keyed optimizer state dict (any of the three types) -> what
-    optim.load_state_dict takes: keyed by position, each tensor this rank's shard."""
-    fqn_of = _fqns(model)
-    params = _optim_params(optim)
-    index_of = {fqn_of[id(p)]: i for i, p in enumerate(params)}
-    from plait.fsdp.fully_shard import _states
-
-    fsdp_params = {id(fp.sharded): fp for s in _states(model, True) if s.group for fp in s.group.params}
-    missing = [fqn for fqn in optim_state_dict["state"] if fqn not in index_of]
-    if missing:
-        raise ValueError(f"optimizer state for {missing[:4]}, which {type(model).__name__}'s optimizer does not "
-                         f"step; its parameters are {sorted(index_of)[:4]}...")
-    state = {}
-    for fqn, entry in optim_state_dict["state"].items():
-        i = index_of[fqn]
-        fp = fsdp_params.get(id(params[i]))
-        state[i] = {k: _to_shard(v, fp, f"{fqn}.{k}") if fp is not None and isinstance(v, torch.Tensor)
-                    and not isinstance(v, DTensor) and v.dim() > 0 else v for k, v in entry.items()}
-    groups = [{**g, "params": [index_of[f] for f in g["params"]]} for g in optim_state_dict["param_groups"]]
-    out = {"state": state, "param_groups": groups}
-    if load_directly:
-        optim.load_state_dict(out)
-    return out
-
-
 # -- summon_full_params --------------------------------------------------------------------
 
 
@@ -317,6 +245,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         raise ValueError(f"{type(module).__name__} holds no FSDP unit to summon parameters of")
     keep = not rank0_only or comm.global_rank() == 0
     full: list[tuple[Any, nn.Parameter]] = []
+    summoned: list[nn.Module] = []  # use_orig_params=False units
     for s in states:
         if s.training_state.name != "IDLE":
             raise RuntimeError(f"summon_full_params cannot run inside forward or backward ({s.name} is in "
@@ -324,10 +253,18 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         if s.group is None:
             continue
         s.group.reshard()
-        for fp in s.group.params:
+        unit = s.modules[0]
+        flat_grad = None
+        if s.group.flat_param is not None:  # torch's: the flat parameter is hidden within
+            flat_grad = s.group.flat_param.grad
+            unit._flat_owner._parameters[flat.FLAT_PARAM] = None
+            unit._summoning += 1
+            summoned.append(unit)
+        for fp, off in zip(s.group.params, s.group.offsets):
+            sharded_grad = fp.sharded.grad if flat_grad is None else flat.piece(flat_grad, fp, off)
             with torch.no_grad():
                 whole = fp.sharded.detach().full_tensor()
-                grad = fp.sharded.grad.full_tensor() if with_grads and fp.sharded.grad is not None else None
+                grad = sharded_grad.full_tensor() if with_grads and sharded_grad is not None else None
             if offload_to_cpu:
                 whole = whole.cpu()
             p = nn.Parameter(whole, requires_grad=fp.requires_grad)
@@ -345,8 +282,10 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                     piece = piece.narrow(d, start, size)  # this rank's block (over TP too)
                 with torch.no_grad():
                     fp.local.copy_(piece)
-            fp.register(fp.sharded)
+            fp.register_resting()
+        for unit in summoned:
+            unit._summoning -= 1
+            unit._flat_owner._parameters[flat.FLAT_PARAM] = unit._state.group.flat_param
 
 
-__all__ = ["get_state_dict_type", "install", "optim_state_dict", "optim_state_dict_to_load",
-           "set_state_dict_type", "state_dict_type", "summon_full_params"]
+__all__ = ["get_state_dict_type", "install", "set_state_dict_type", "state_dict_type", "summon_full_params"]

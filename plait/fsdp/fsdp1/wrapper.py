@@ -7,21 +7,26 @@ behind fully_shard (one implementation of sharding, two doors).
          shard_modules([self]) -- the engine's group and hooks, on the wrapper itself
       =  fully_shard(unit) for each unit P selects, then fully_shard(root)
 
-Invariant: a unit's parameters are the engine's Shard(0) DTensors registered under their
-original names (inside `_fsdp_wrapped_module`); named_parameters(), state dicts and
-optimizer state dicts show the names without `_fsdp_wrapped_module.` (and without
-activation checkpointing's `_checkpoint_wrapped_module.`), as torch's do.
+Invariant (use_orig_params=True): a unit's parameters are the engine's Shard(0) DTensors
+registered under their original names (inside `_fsdp_wrapped_module`); named_parameters(),
+state dicts and optimizer state dicts show the names without `_fsdp_wrapped_module.` (and
+without activation checkpointing's `_checkpoint_wrapped_module.`).
+Invariant (use_orig_params=False, torch's default): each unit's one parameter is a 1-D flat
+`_flat_param` (this rank's shard; its local DTensors are views of it; flat_param.py), under
+torch's names (`_fsdp_wrapped_module._flat_param`, the prefixes kept, as torch's: they are
+dropped inside summon_full_params only); state dicts and optim_state_dict are keyed by the
+original FQNs, as torch's.
 
 Where plait differs from torch, and why:
-- use_orig_params: plait always behaves as torch does with use_orig_params=True
-  (named_parameters yields the original FQNs, sharded; the optimizer steps on them, so
-  parameter groups per layer work). With False torch flattens each unit into one 1-D
-  FlatParameter `_flat_param`; plait keeps the engine's per-parameter Shard(0) DTensors
-  (one flat buffer per unit exists, but only for the collectives): model.parameters() and
-  the optimizer see per-parameter shards. State dicts, optim_state_dict (keyed by FQN in
-  both), the numbers trained and the collectives per step are the same.
+- use_orig_params=True: named_parameters() names are the clean FQNs (torch keeps the
+  `_fsdp_wrapped_module.` prefixes outside summon_full_params).
+- use_orig_params=False: the flat shard is every parameter's own padded chunk, concatenated
+  (torch: a chunk of the concatenation), so its numel per rank may differ from torch's and
+  optim.state_dict()'s raw flat tensors are laid out differently; everything keyed by FQN is
+  the same. Between steps the original attributes are None (torch's are views of freed memory).
+  A unit's parameters must share a dtype and requires_grad (torch's rule) and be plain tensors.
 - LOCAL_STATE_DICT: each parameter's local shard (a plain tensor) under its FQN, not a
-  ShardedTensor of `_flat_param` (there is no flat parameter; see above).
+  ShardedTensor of `_flat_param` (plait has no ShardedTensor; the flat layout differs, above).
 - NO_SHARD: parameters are (Replicate(), Shard(0)) DTensors on an (N, 1) mesh; during a
   step the gathered copy lives beside the shard (torch's NO_SHARD holds one copy).
 - HYBRID_SHARD without device_mesh or a group pair raises: torch infers the node size
@@ -50,6 +55,7 @@ from torch import nn
 from plait import comm
 from plait.device_mesh import DeviceMesh
 from plait.fsdp.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.fsdp1 import flat_param, optim_state
 from plait.fsdp.fsdp1 import init as fsdp1_init
 from plait.fsdp.fsdp1 import state_dict as sd_hooks
 from plait.fsdp.fsdp1.api import (
@@ -168,6 +174,12 @@ class FullyShardedDataParallel(nn.Module):
         if backward_prefetch is None:
             state.backward_prefetch = []
         state.prefetch_after_backward = backward_prefetch is BackwardPrefetch.BACKWARD_POST
+        self._summoning = 0  # summon_full_params depth: names lose the wrapper prefix within (torch's)
+        # holds `_flat_param` (use_orig_params=False) wherever it moves (activation checkpointing
+        # wraps it later); a plain attribute, not a second registration of the submodule
+        self.__dict__["_flat_owner"] = module
+        if not use_orig_params and state.group is not None:
+            flat_param.flatten(module, state.group, where)
         self.register_forward_pre_hook(self._root_casts, prepend=True, with_kwargs=True)
         sd_hooks.install(self)
 
@@ -194,6 +206,11 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        if not self.use_orig_params:  # torch's names: `_fsdp_wrapped_module._flat_param`, ...
+            summoning = self._summoning > 0
+            for name, p in super().named_parameters(*args, **kwargs):
+                yield (name.replace(FSDP_PREFIX, "") if summoning else name), p
+            return
         for name, p in super().named_parameters(*args, **kwargs):
             yield clean_tensor_name(name), p
 
@@ -246,9 +263,13 @@ class FullyShardedDataParallel(nn.Module):
             raise RuntimeError(f"clip_grad_norm_ must be called on the root FullyShardedDataParallel, not on the "
                                f"{type(self.module).__name__} unit inside it")
         norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sharded = [g._local_tensor for g in grads if isinstance(g, DTensor)]
-        plain = [g for g in grads if not isinstance(g, DTensor)]  # ignored params: replicated, whole
+        flat = {id(s.group.flat_param) for s in _units_states(self)  # sharded, though plain tensors
+                if s.group is not None and s.group.flat_param is not None}
+        pairs = [(p, p.grad) for p in self.parameters() if p.grad is not None]
+        grads = [g for _, g in pairs]
+        sharded = [g._local_tensor if isinstance(g, DTensor) else g for p, g in pairs
+                   if isinstance(g, DTensor) or id(p) in flat]
+        plain = [g for p, g in pairs if not isinstance(g, DTensor) and id(p) not in flat]  # ignored: whole
         group = self._device_mesh.get_group(self._device_mesh.ndim - 1)
         device = sharded[0].device if sharded else plain[0].device if plain else torch.device("cpu")
         f32 = torch.float32  # low-precision grads (keep_low_precision_grads) are summed in float32, as torch's
@@ -277,8 +298,8 @@ class FullyShardedDataParallel(nn.Module):
     state_dict_type = staticmethod(sd_hooks.state_dict_type)
     set_state_dict_type = staticmethod(sd_hooks.set_state_dict_type)
     get_state_dict_type = staticmethod(sd_hooks.get_state_dict_type)
-    optim_state_dict = staticmethod(sd_hooks.optim_state_dict)
-    optim_state_dict_to_load = staticmethod(sd_hooks.optim_state_dict_to_load)
+    optim_state_dict = staticmethod(optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
     rekey_optim_state_dict = staticmethod(rekey_optim_state_dict)
 
 
