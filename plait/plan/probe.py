@@ -21,7 +21,8 @@ a tensor-parallel model, measured among N processes as a job of N ranks runs the
         model's: the sharded matmuls, the DTensor dispatch, the replicated elementwise work, the
         TP collectives' CPU and their waits, all as measured; and, where g < N, the same under
         replicate over the dp groups of N/g, as plait train runs R x T (DDP's take-in of
-        DTensor gradients is per gradient, and its all-reduces' CPU and waits are in the step)
+        DTensor gradients is per gradient, and its all-reduces' CPU and waits are in the step),
+        measured with sequence parallel, its ratio to TP alone carried over to TP without it
       cp factor, per context-parallel degree c: the same for the model under plait train's
         context parallel (ring attention) on groups of c, a cp rank's tokens (c times the
         sequences, each cut to 2 of 2c chunks) over the plain model's at as many tokens (whole
@@ -48,7 +49,7 @@ ROUNDS = 5  # the variants alternate, ROUNDS times
 BIG = 1 << 18  # floats: the 1 MiB all-reduce that gives the bandwidth at the job's process count
 TP_LAYERS = 2  # blocks of the model the TP probe runs (the factor is per unit of plain model time)
 TP_TOKENS = 2048  # at most this many tokens a TP probe step (its cost grows with them)
-TP_REPEATS = 3
+TP_REPEATS = 2  # timed steps per variant, after one warm-up (the whole calibration: at most 30 s)
 
 
 def group_sizes(nproc: int) -> list[int]:
@@ -125,10 +126,14 @@ def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> d
         for sp in (True, False):
             m = parallelize_llama(model(), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
             out[f"tp:{g},{int(sp)}"] = _together(functools.partial(train, m, x, y)) / base
-            if g < nproc:  # R x T: plait train's replicate over the dp groups, its reduction in the step
-                m = parallelize_llama(model(), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
-                replicate(m, device_mesh=mesh["dp"])
-                out[f"tpddp:{g},{int(sp)}"] = _together(functools.partial(train, m, x, y)) / base
+        if g < nproc:  # R x T: plait train's replicate over the dp groups, its reduction in the step;
+            # measured with sequence parallel, and its ratio to TP alone carried to TP without it
+            # (DDP's take-in and all-reduces do not depend on it; the probe's budget: 30 s in all)
+            m = parallelize_llama(model(), mesh["tp"], sequence_parallel=True, loss_parallel=True)
+            replicate(m, device_mesh=mesh["dp"])
+            ddp = _together(functools.partial(train, m, x, y)) / base
+            out[f"tpddp:{g},1"] = ddp
+            out[f"tpddp:{g},0"] = out[f"tp:{g},0"] * ddp / out[f"tp:{g},1"]
     s = seq_len
     b = max(1, min(batch, TP_TOKENS // s))
     x, y = tokens(b, s)
