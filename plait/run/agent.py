@@ -22,7 +22,7 @@ from plait.run.rendezvous import JobOver, RendezvousError
 from plait.run.rounds import EndReason, RoundEnd, RoundInfo
 from plait.run.session import node_name, open_rendezvous
 from plait.run.signals import SignalReceived, SignalWatcher, Waker
-from plait.run.store import StoreLost, WorkerStore, preload_torch
+from plait.run.store import StoreLost, WorkerStore
 from plait.run.workers import WorkerGroup
 
 
@@ -105,8 +105,6 @@ class Agent:
         marked_done = False
         while True:
             self.signals.check()
-            if group.torch_imported():
-                preload_torch()  # the worker store will need it: import it beside the worker's
             new = group.poll()
             if new:
                 failures += new

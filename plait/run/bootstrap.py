@@ -11,8 +11,7 @@ named `errors` or `logs` is never shadowed. Before the script runs it
   torch's format (what `@record` writes), so the launcher can name the traceback without the
   script opting in;
 - asks the kernel to SIGKILL this worker if its agent dies (Linux `PR_SET_PDEATHSIG`), so a
-  killed `plait run` never leaves workers behind;
-- tells the agent (a byte on PLAIT_AGENT_TORCH_FD) when the script starts importing torch.
+  killed `plait run` never leaves workers behind.
 
 `plait.run.errors.record` imports `write_error_file` from here: one writer, one format.
 """
@@ -89,39 +88,8 @@ def _die_with_agent() -> None:
         os._exit(1)
 
 
-def _tell_agent_when_torch_is_imported() -> None:
-    """Write one byte to the agent's pipe when this worker starts importing torch.
-
-    A single-node agent imports torch only to serve the worker store; told now, it imports it
-    beside this worker instead of after this worker connects (one import off the job's start:
-    1.6 s of CPU, 16 s seen at load 37). A worker that never imports torch costs it nothing.
-    """
-    fd = os.environ.pop("PLAIT_AGENT_TORCH_FD", None)  # not the script's: torchrun sets no such var
-    if not fd:
-        return
-
-    class _Knock:
-        said = False
-
-        @classmethod
-        def find_spec(cls, name, path=None, target=None):
-            # stays in sys.meta_path: removing it while importlib iterates the list would skip
-            # the next finder (plait.debug's hook on torch.distributed, for one)
-            if name == "torch" and not cls.said:
-                cls.said = True
-                try:
-                    os.write(int(fd), b"t")
-                    os.close(int(fd))
-                except OSError:
-                    pass  # the agent is gone or no longer listens
-            return None  # the import itself is the regular finders'
-
-    sys.meta_path.insert(0, _Knock)
-
-
 def main(argv: list[str]) -> None:
     _die_with_agent()
-    _tell_agent_when_torch_is_imported()
     sys.excepthook = _excepthook
     if argv and argv[0] == "-m":
         module, args = argv[1], argv[2:]

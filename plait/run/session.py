@@ -4,8 +4,7 @@
     --nnodes > 1        ──▶ StoreRendezvous on the job's TCPStore:
                               static: --node-rank 0 serves it on --master-addr:--master-port
                               c10d:   the first agent on the endpoint's host that binds the port
-                              serves it (it binds once torch is loaded, so a taken port means
-                              a store that answers); every other agent connects (join_timeout)
+                              serves it; every other agent connects (bounded by join_timeout)
 
 The agent that serves the rendezvous store outlives the job by a little: on close it waits (up
 to close_timeout) until every other node has said goodbye or stopped heartbeating, so nobody
@@ -109,17 +108,11 @@ def open_rendezvous(
     want_host = r.is_host if r.is_host is not None else (
         r.node_rank == 0 if r.backend == "static" else is_local_address(r.host))
     sock, port, connect_timeout = None, r.port, r.join_timeout
-    must_host = r.backend == "static" or bool(r.is_host)  # there, a taken port is the user's mistake
-    if want_host and not must_host:
-        # Elected by binding first: bind only once able to serve, so the agents that lose the race
-        # meet a store that answers in milliseconds. Bound before torch's import, the port had
-        # them wait in its backlog for that import: 10-15 s under load, past the bound below.
-        stores.load_torch()
     if want_host:
-        try:  # must_host: bind before importing torch, so a port conflict is reported at once
+        try:  # bind before importing torch: a port conflict is reported at once
             sock = listen(ALL_INTERFACES, r.port, what=f"{flag} {format_endpoint(r.host, r.port)}")
         except PortInUse:
-            if must_host:
+            if r.backend == "static" or r.is_host:
                 raise
             # another agent on this machine serves the store: it answers in milliseconds
             connect_timeout = min(connect_timeout, _BUSY_PORT_CONNECT_TIMEOUT)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import select
 import socket
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -38,22 +37,6 @@ def _dist():
 
 def load_torch() -> None:
     _dist()
-
-
-_preloading: threading.Thread | None = None
-
-
-def preload_torch() -> None:
-    """Import torch in a daemon thread, once: serve() then finds it loaded, or waits for the rest.
-
-    Called when a worker starts importing torch (bootstrap.py says so), so the two imports run
-    side by side rather than one after the other; the agent exits with os._exit, never while
-    the interpreter unloads modules this thread may still be loading.
-    """
-    global _preloading
-    if _preloading is None and "torch.distributed" not in sys.modules:
-        _preloading = threading.Thread(target=_dist, name="plait-torch-import", daemon=True)
-        _preloading.start()
 
 
 def serve(sock: socket.socket, *, timeout: float):
@@ -156,10 +139,11 @@ class WorkerStore:
         """The socket to watch while the store is not served yet (None once it is, or closed)."""
         return self._sock.fileno() if self._sock is not None else None
 
-    # Served on demand. The agent imports torch for it (1.47 s of CPU, 210 MB RSS, torch 2.13) once
-    # a worker says it imports torch itself (preload_torch), beside that worker's import; not at
-    # worker start, which would cost it to every job that never connects, and not at the first
-    # connection, which queued it after the workers' import (16 s of a 52 s restart test at load 37).
+    # Served on demand, so the agent's torch import follows the workers' own instead of overlapping
+    # it: ~0.5 s on a quiet machine, once ~60 s under ci-under-load -j 2 (autogroup starves a
+    # process in its own session). Importing in a background thread at worker start would overlap
+    # them, but costs every job that never connects 1.47 s of CPU and 210 MB RSS (torch 2.13), and
+    # lets an exiting agent call exit() while that thread is still loading torch's libraries.
     def serve_if_pending(self, timeout: float) -> bool:
         """Start the server if a worker is waiting to connect; True if it started now."""
         if self._sock is None:

@@ -133,33 +133,11 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self._stopping = False  # exits from now on are ours, not failures
         self._stopped = False
-        self._torch_r: int | None = None  # a worker writes a byte here as it starts importing torch
-        self._torch_w: int | None = None
 
     def start(self) -> None:
-        if "torch" not in sys.modules:  # this agent will import it to serve the worker store
-            self._torch_r, self._torch_w = os.pipe()
-            os.set_blocking(self._torch_r, False)
-        try:
-            for local_rank in range(self._cfg.nproc_per_node):
-                self.workers.append(self._spawn(local_rank))
-        finally:
-            if self._torch_w is not None:
-                os.close(self._torch_w)  # the workers hold theirs
-                self._torch_w = None
+        for local_rank in range(self._cfg.nproc_per_node):
+            self.workers.append(self._spawn(local_rank))
         self._pump.start()
-
-    def torch_imported(self) -> bool:
-        """True once, when a worker has said (bootstrap.py) that it started importing torch."""
-        if self._torch_r is None:
-            return False
-        try:
-            said = os.read(self._torch_r, 64)
-        except BlockingIOError:
-            return False
-        os.close(self._torch_r)  # said so, or every worker closed its end without a word
-        self._torch_r = None
-        return bool(said)
 
     def _spawn(self, local_rank: int) -> Worker:
         cfg, info, logs = self._cfg, self._info, self._cfg.logs
@@ -191,13 +169,10 @@ class WorkerGroup:
             else:
                 targets[name] = (subprocess.DEVNULL, None, None)
         self._run_dir.has_logs |= bool(opened)
-        env = worker_env(cfg, info, local_rank, error_file)
-        if self._torch_w is not None:
-            env["PLAIT_AGENT_TORCH_FD"] = str(self._torch_w)
         try:
             proc = subprocess.Popen(
-                worker_command(cfg, local_rank), env=env, stdout=targets["stdout"][0], stderr=targets["stderr"][0],
-                start_new_session=True, pass_fds=() if self._torch_w is None else (self._torch_w,),
+                worker_command(cfg, local_rank), env=worker_env(cfg, info, local_rank, error_file),
+                stdout=targets["stdout"][0], stderr=targets["stderr"][0], start_new_session=True,
             )
         except OSError as e:
             for f in opened:
@@ -257,7 +232,4 @@ class WorkerGroup:
                 pass
         self.poll()
         self._pump.stop(timeout=1.0)
-        if self._torch_r is not None:
-            os.close(self._torch_r)
-            self._torch_r = None
 

@@ -113,14 +113,14 @@ def lose_node(job, victim, how: str) -> None:
 def test_losing_a_node_resumes_on_the_survivor_with_half_the_dp_degree(job, how):
     port = free_port()
     run = job.dir / "run"
-    args = ["--max-restarts", "1", "--nproc-per-node", "2",
+    args = [*c10d(port, "1:2", "--max-restarts", "1"), "--nproc-per-node", "2",
             "-m", "tests.run.workers.elastic_train", "--config", "tiny", "--parallel.dp_shard", "-1",
             "--checkpoint.enabled", "true", "--checkpoint.interval", str(INTERVAL),
             "--metrics.progress", "false", "--job.dir", str(run)]
     env = {"ELASTIC_PAUSE_STEP": str(PAUSE), "ELASTIC_SMALL_WORLD": "2"}
-    # started at once, their torch imports overlapping; B waits for A's store (is_host=0)
-    host = job.start(*c10d(port, "1:2", is_host=True), *args, env=env)
-    victim = job.start(*c10d(port, "1:2", is_host=False), *args, env={**env, "ELASTIC_VICTIM": "1"})
+    host = job.start(*args, env=env)
+    host.wait_for_stderr("serving the rendezvous store")
+    victim = job.start(*args, env={**env, "ELASTIC_VICTIM": "1"})
 
     job.wait_for_outputs("paused_r", 2)  # B's two ranks reached the save of step 6
     folder = run / "checkpoints"

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from plait.run import main
-from plait.run.args import BOOTSTRAP
 from tests.run.conftest import HANG_S, REPO, worker
 
 
@@ -116,23 +115,3 @@ def test_waiting_for_outputs_ends_when_every_launch_has_exited(job):
     with pytest.raises(pytest.fail.Exception, match=r"got \[\] \(every launch exited\)\n--- agent0.stderr "
                        r"\(exit code 2\)\n.*a node needs at least 1 worker"):
         job.wait_for_outputs("running_a0_", 1)
-
-
-def test_the_bootstrap_tells_the_agent_when_the_script_starts_importing_torch(tmp_path):
-    """One byte on PLAIT_AGENT_TORCH_FD when the script imports torch (the agent then imports it
-    beside the worker), none from a script that never does; the variable is not the script's."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("")  # a stand-in: what is tested is the byte
-    check_env = "import os\nassert 'PLAIT_AGENT_TORCH_FD' not in os.environ\n"
-    (tmp_path / "uses_torch.py").write_text(check_env + "import json\nimport torch\nimport torch\n")
-    (tmp_path / "no_torch.py").write_text(check_env + "import json\n")
-    for script, said in (("uses_torch.py", b"t"), ("no_torch.py", b"")):
-        r, w = os.pipe()
-        try:
-            proc = subprocess.run([sys.executable, BOOTSTRAP, str(tmp_path / script)], pass_fds=(w,),
-                                  env={**os.environ, "PLAIT_AGENT_TORCH_FD": str(w)}, timeout=HANG_S)
-            os.close(w)
-            assert proc.returncode == 0, script
-            assert os.read(r, 64) == said, script
-        finally:
-            os.close(r)

@@ -19,19 +19,9 @@ FAST = (f"join_timeout={HANG_S:.0f},last_call_timeout=1,keep_alive_interval=0.5,
         "close_timeout=10")
 
 
-def c10d(port: int, nnodes: str, *more: str, is_host: bool | None = None) -> list[str]:
-    """Flags of one agent; is_host=None lets the agents elect the store's host (the first to bind)."""
-    conf = FAST if is_host is None else f"{FAST},is_host={int(is_host)}"
+def c10d(port: int, nnodes: str, *more: str) -> list[str]:
     return ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "job", "--rdzv-conf", conf, *more]
-
-
-def start_host_and_others(job, port: int, nnodes: str, others: int, *args: str, env=None):
-    """The store's host (is_host=1) and `others` agents (is_host=0), started at once: their starts
-    (python, torch's import: 1.6 s of CPU each) overlap instead of queueing behind the host's, and
-    the others wait for its store within join_timeout. Returns [host, *others]."""
-    host = job.start(*c10d(port, nnodes, is_host=True), *args, env=env)
-    return [host, *(job.start(*c10d(port, nnodes, is_host=False), *args, env=env) for _ in range(others))]
+            "--rdzv-id", "job", "--rdzv-conf", FAST, *more]
 
 
 def ranks_printed(out: str) -> list[int]:
@@ -67,10 +57,16 @@ def test_static_rendezvous_orders_nodes_by_node_rank(job):
     assert ranks_printed(r0.out) == [0, 1] and ranks_printed(r1.out) == [2, 3]
 
 
+def start_three(job, port: int, *args: str, env=None):
+    host = job.start(*args, env=env)
+    host.wait_for_stderr("serving the rendezvous store")
+    return [host, job.start(*args, env=env), job.start(*args, env=env)]
+
+
 def test_killed_agent_survivors_regroup_with_fewer_nodes(job):
     port = free_port()
-    args = ["--max-restarts", "1", "--nproc-per-node", "1", worker("elastic.py")]
-    agents = start_host_and_others(job, port, "2:3", 2, *args, env={"RELEASE_WORLD": "2"})
+    args = [*c10d(port, "2:3", "--max-restarts", "1"), "--nproc-per-node", "1", worker("elastic.py")]
+    agents = start_three(job, port, *args, env={"RELEASE_WORLD": "2"})
     job.wait_for_outputs("running_", 3, suffix="_w3")  # a round with all three nodes runs
     os.kill(agents[2].pid, signal.SIGKILL)  # not the store's host; its worker dies with it
     (job.out / "RELEASE").touch()
@@ -85,8 +81,10 @@ def test_killed_agent_survivors_regroup_with_fewer_nodes(job):
 
 def test_losing_a_node_below_the_minimum_exits_with_a_clear_message(job):
     port = free_port()
-    args = ["--max-restarts", "1", "--nproc-per-node", "1", worker("elastic.py")]
-    host, other = start_host_and_others(job, port, "2", 1, *args)
+    args = [*c10d(port, "2", "--max-restarts", "1"), "--nproc-per-node", "1", worker("elastic.py")]
+    host = job.start(*args)
+    host.wait_for_stderr("serving the rendezvous store")
+    other = job.start(*args)
     job.wait_for_outputs("running_a0_", 2)
     os.kill(other.pid, signal.SIGKILL)
     r = host.wait()
@@ -96,7 +94,10 @@ def test_losing_a_node_below_the_minimum_exits_with_a_clear_message(job):
 
 def test_killing_the_store_host_ends_the_job_everywhere(job):
     port = free_port()
-    host, other = start_host_and_others(job, port, "2", 1, "--nproc-per-node", "1", worker("elastic.py"))
+    args = [*c10d(port, "2"), "--nproc-per-node", "1", worker("elastic.py")]
+    host = job.start(*args)
+    host.wait_for_stderr("serving the rendezvous store")
+    other = job.start(*args)
     job.wait_for_outputs("running_a0_", 2)
     os.kill(host.pid, signal.SIGKILL)
     r = other.wait()
@@ -105,11 +106,13 @@ def test_killing_the_store_host_ends_the_job_everywhere(job):
 
 def test_late_node_joins_the_next_round_without_spending_a_restart(job):
     port = free_port()
-    args = ["--nproc-per-node", "1", worker("elastic.py")]  # --max-restarts 0
-    host, second = start_host_and_others(job, port, "2:3", 1, *args, env={"RELEASE_WORLD": "3"})
+    args = [*c10d(port, "2:3"), "--nproc-per-node", "1", worker("elastic.py")]  # --max-restarts 0
+    host = job.start(*args, env={"RELEASE_WORLD": "3"})
+    host.wait_for_stderr("serving the rendezvous store")
+    second = job.start(*args, env={"RELEASE_WORLD": "3"})
     job.wait_for_outputs("running_a0_", 2)  # round 0 closed with two nodes
     (job.out / "RELEASE").touch()
-    late = job.start(*c10d(port, "2:3", is_host=False), *args, env={"RELEASE_WORLD": "3"})
+    late = job.start(*args, env={"RELEASE_WORLD": "3"})
     results = [a.wait() for a in (host, second, late)]
     assert [r.rc for r in results] == [0, 0, 0], "".join(r.err for r in results)
     assert job.outputs("running_a1_") == ["running_a1_r0_w3", "running_a1_r1_w3", "running_a1_r2_w3"]

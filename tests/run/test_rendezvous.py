@@ -13,7 +13,6 @@ from datetime import timedelta
 
 import pytest
 
-from plait.run import session
 from plait.run.args import parse_config
 from plait.run.heartbeat import Liveness
 from plait.run.rendezvous import JobOver, RendezvousError, StoreRendezvous
@@ -161,25 +160,3 @@ def test_round_end_decisions():
     assert decide(EndReason.SUCCESS, 0).final and decide(EndReason.NODE_LEFT, 0, final=True).final
     end = decide(EndReason.NODE_LOST, 0)
     assert RoundEnd.from_json(end.to_json()) == end
-
-
-@pytest.mark.parametrize("conf, backend, order", [
-    ("", "c10d", ["torch", "bind"]),  # elected: binds once it can serve, so losers meet a store that answers
-    (",is_host=1", "c10d", ["bind"]),  # told to host: a taken port is reported before torch's import
-    ("", "static", ["bind"]),
-])
-def test_the_store_host_binds_its_port_only_when_it_can_serve_or_must_host(monkeypatch, conf, backend, order):
-    calls = []
-
-    def listen(*args, **kw):
-        calls.append("bind")
-        raise KeyboardInterrupt  # stop here: the order is the test
-
-    monkeypatch.setattr(session.stores, "load_torch", lambda: calls.append("torch"))
-    monkeypatch.setattr(session, "listen", listen)
-    where = ["--rdzv-endpoint", "127.0.0.1:29400"] if backend == "c10d" else ["--master-port", "29400"]
-    cfg = parse_config(["--nnodes", "2", "--rdzv-backend", backend, *where, "--rdzv-conf", f"join_timeout=5{conf}",
-                        worker("env_dump.py")])
-    with pytest.raises(KeyboardInterrupt):
-        session.open_rendezvous(cfg, sleep=time.sleep, interrupt=lambda: None, say=lambda msg: None)
-    assert calls == order
