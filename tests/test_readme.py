@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).resolve().parent / "readme_driver.py"
+PLAIT_RUN = (sys.executable, "-m", "plait.run")
 
 
 def _blocks() -> list[str]:
@@ -73,11 +74,10 @@ def test_readme_examples_run_under_plait_run():
     assert not failures, "\n".join(f"--- README example {n!r} failed:\n{o[-3000:]}" for n, o in failures.items())
 
 
-def _run(jobs: dict, tmp_path: Path, launcher: str = "plait.run") -> dict[str, str]:
-    """One launch per rank count (`python -m launcher`: plait.run, or torch.distributed.run as
-    tests/comm/test_exit.py runs it), one after another, each running its examples in order
-    through tests/readme_driver.py (one fork per example); return the output of each example
-    that did not exit 0 on every rank."""
+def _run(jobs: dict, tmp_path: Path, launcher: tuple[str, ...] = PLAIT_RUN) -> dict[str, str]:
+    """One launch per rank count (`launcher`: plait run, or torchrun as tests/comm/test_exit.py runs
+    it), one after another, each running its examples in order through tests/readme_driver.py
+    (one fork per example); return the output of each example that did not exit 0 on every rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     by_ranks: dict[int, list[str]] = {}
     for name, (script, ranks) in jobs.items():
@@ -87,7 +87,7 @@ def _run(jobs: dict, tmp_path: Path, launcher: str = "plait.run") -> dict[str, s
     for ranks, names in sorted(by_ranks.items(), reverse=True):
         try:
             out = subprocess.run(
-                [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", str(ranks), str(DRIVER),
+                [*launcher, "--standalone", "--nproc-per-node", str(ranks), str(DRIVER),
                  *(f"{n}.py" for n in names)],
                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240).stdout
         except subprocess.TimeoutExpired as e:

@@ -1,12 +1,17 @@
 """Start, watch and stop this node's workers for one round.
 
-    RoundInfo ──worker_env()──▶ env per local rank ──Popen(new session)──▶ one process group per worker
+    RoundInfo ──worker_env()──▶ env per local rank ──Popen(own group)──▶ one process group per worker
     poll():  exit codes ──▶ Failure (error file read) for each worker that failed on its own
     stop():  signal every worker's whole process group ── grace ──▶ SIGKILL, until no process is left
 
-Each worker leads its own process group (a new session), so stop() also reaches the children a
-worker spawned (pytorch#110065); a group counts as stopped only when /proc shows no live process
-in it. Python workers also ask the kernel to SIGKILL them if this agent dies (bootstrap.py), so a
+Each worker leads its own process group, so stop() also reaches the children a worker spawned
+(pytorch#110065); a group counts as stopped only when /proc shows no live process in it. The
+group is a new session (torchrun's choice) only where this agent has a controlling terminal:
+there a session keeps a worker that reads the terminal (a breakpoint) from being stopped by job
+control. Without a terminal (batch jobs, CI) a session only changes the scheduler's autogroup,
+and a fresh autogroup was measured to starve: under pytest with two busy loops in its session
+(Linux 6.18), a child in a new session took 27-72 s of wall time to get 1 CPU s, one in a new
+process group 1.5 s. Python workers also ask the kernel to SIGKILL them if this agent dies (bootstrap.py), so a
 killed launcher leaves no workers behind. A grandchild that starts its own session escapes both.
 """
 
@@ -86,6 +91,16 @@ class Worker:
     proc: subprocess.Popen
     error_file: str
     exitcode: int | None = None
+
+
+def own_group() -> dict[str, object]:
+    """Popen's arguments that make a worker lead its own process group (docstring: why a session
+    only with a controlling terminal)."""
+    try:
+        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY))
+    except OSError:
+        return {"process_group": 0}
+    return {"start_new_session": True}
 
 
 def live_groups(pgids: set[int]) -> set[int]:
@@ -172,7 +187,7 @@ class WorkerGroup:
         try:
             proc = subprocess.Popen(
                 worker_command(cfg, local_rank), env=worker_env(cfg, info, local_rank, error_file),
-                stdout=targets["stdout"][0], stderr=targets["stderr"][0], start_new_session=True,
+                stdout=targets["stdout"][0], stderr=targets["stderr"][0], **own_group(),
             )
         except OSError as e:
             for f in opened:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 
+from tests import torchrun
 from tests.test_readme import _run as run_examples
 from tests.test_readme import plait_run_failures, readme_jobs
 
@@ -125,7 +126,7 @@ def test_readme_examples_and_module_level_groups_exit_cleanly_under_both_launche
     readme = {k: v for k, v in readme_jobs().items() if k in TORCHRUN_README}
     module_level = {"module_level_groups": (MODULE_LEVEL_GROUPS, 2)}
     bad = {f"{name} under torchrun": out
-           for name, out in run_examples({**module_level, **readme}, tmp_path, "torch.distributed.run").items()}
+           for name, out in run_examples({**module_level, **readme}, tmp_path, tuple(torchrun.ARGV)).items()}
     bad.update({f"{name} under plait run": out for name, out in plait_run_failures().items() if name in module_level})
     assert not bad, "\n".join(f"--- {name} did not exit 0 on every rank, or aborted:\n{out[-3000:]}"
                               for name, out in bad.items())

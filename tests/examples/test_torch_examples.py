@@ -36,10 +36,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import torchrun
+
 SCRIPTS = Path(__file__).parent / "scripts"
 DRIVER = Path(__file__).resolve().parents[1] / "readme_driver.py"
 TORCH_MODULES = ("device_mesh", "fsdp", "tensor", "checkpoint")
-LAUNCHERS = {"plait": [sys.executable, "-m", "plait.run"], "torch": [sys.executable, "-m", "torch.distributed.run"]}
+LAUNCHERS = {"plait": [sys.executable, "-m", "plait.run"], "torch": torchrun.ARGV}
 NUMBER = r"(-?[0-9.]+e[-+][0-9]+)"
 RTOL = 1e-5
 

@@ -1,6 +1,6 @@
 """Fixtures for launcher tests: start `plait run` as a real process, bounded, and leave nothing behind.
 
-`launch(...)` starts `python -m plait.run ...` in its own session with its output in files; every
+`launch(...)` starts `python -m plait.run ...` in its own process group with its output in files; every
 launch is killed at the end of the test if still running, and every pid a worker script
 registered (workers, their children) must be gone — the check is by pid, not by name.
 
@@ -64,7 +64,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def descendants(pid: int) -> list[int]:
-    """`pid` and every live process below it (by parent pid: workers lead their own sessions)."""
+    """`pid` and every live process below it (by parent pid: workers lead their own process groups)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -131,10 +131,12 @@ class Launch:
     def __init__(self, args: list[str], env: dict[str, str], cwd: Path, name: str, wrap: list[str]):
         self.out_path, self.err_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
         self.stacks = Path(env["PLAIT_TEST_STACKS"])
+        # its own process group (killpg reaches it), in pytest's session: a new session is a new
+        # scheduler autogroup, which waited up to 72 s for the CPU beside busy loops (workers.py)
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [*wrap, PYTHON, "-m", "plait.run", *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                env=env, cwd=cwd, start_new_session=True,
+                env=env, cwd=cwd, process_group=0,
             )
 
     @property

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from plait.run import main
+from plait.run.workers import own_group
 from tests.run.conftest import HANG_S, REPO, worker
 
 
@@ -45,6 +46,19 @@ def test_every_worker_sees_torchruns_environment(job):
         assert e["argv"][1:] == ["--lr", "0.1", f"--local-rank={i}"]  # torchrun's ${local_rank} macro
         assert e["name"] == "__main__" and e["file"] == worker("env_dump.py")
         assert e["path0"] == os.path.dirname(worker("env_dump.py"))
+        # each leads its own process group; a session of its own only under a terminal (own_group)
+        assert e["pgid"] == e["pid"]
+        assert e["sid"] == (e["pid"] if "start_new_session" in own_group() else os.getsid(0))
+
+
+def test_a_worker_gets_its_own_session_only_where_the_agent_has_a_terminal(monkeypatch):
+    def no_terminal(path, flags):
+        raise OSError(6, "No such device or address", path)
+
+    monkeypatch.setattr(os, "open", no_terminal)
+    assert own_group() == {"process_group": 0}
+    monkeypatch.setattr(os, "open", lambda path, flags: os.dup(0))
+    assert own_group() == {"start_new_session": True}
 
 
 def test_virtual_local_rank_gives_each_worker_device_0_of_its_own(job):

@@ -17,6 +17,6 @@ _common.register()
 _common.write(
     f"env_a{_common.attempt()}_r{_common.rank()}.json",
     {**{k: os.environ.get(k) for k in KEYS}, "argv": sys.argv, "file": __file__, "path0": sys.path[0],
-     "name": __name__, "pid": os.getpid()},
+     "name": __name__, "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0)},
 )
 print(f"hello from rank {_common.rank()} of {_common.world()}")
