@@ -10,9 +10,10 @@ group is a new session (torchrun's choice) only where this agent has a controlli
 there a session keeps a worker that reads the terminal (a breakpoint) from being stopped by job
 control. Without a terminal (batch jobs, CI) a session only changes the scheduler's autogroup,
 and a fresh autogroup was measured to starve: under pytest with two busy loops in its session
-(Linux 6.18), a child in a new session took 27-72 s of wall time to get 1 CPU s, one in a new
-process group 1.5 s. Python workers also ask the kernel to SIGKILL them if this agent dies (bootstrap.py), so a
-killed launcher leaves no workers behind. A grandchild that starts its own session escapes both.
+(Linux 6.18), a child in a new session took 26-72 s of wall time to get 1 CPU s, one in a new
+process group 1.5-1.8 s. Python workers also ask the kernel to SIGKILL them if this agent dies
+(bootstrap.py), so a killed launcher leaves no workers behind. A grandchild that starts its own
+session escapes both.
 """
 
 from __future__ import annotations
