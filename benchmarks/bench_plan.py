@@ -2,9 +2,9 @@
 
     plait plan's ranking (calibration cached for 8 processes, else defaults; this host's cores)
     -> 12 layouts: the predicted best 4 and the first of each kind below (TP, PP, CP, AC, FSDP x
-       TP, HSDP, ...) -> each trained 5 steps by `plait run --nproc-per-node 8 -m plait.train`
+       TP, HSDP, ...) -> each trained 10 steps by `plait run --nproc-per-node 8 -m plait.train`
        (--metrics.live_bytes true: step 2 counts live tensor bytes) -> plait plan --compare's
-       figures: median step time of steps 3..5, peak live tensor bytes (max over ranks); and
+       figures: median step time of steps 3..10, peak live tensor bytes (max over ranks); and
        the job's CPU seconds a step (all ranks' threads) over the cores: the wall the step would
        take were the cores its only limit
     -> table: layout, predicted and measured step time and memory, errors; whether the
@@ -34,7 +34,7 @@ KINDS = [  # (name, predicate over a Prediction's layout choice)
     ("AC full", lambda c: c.ac_mode == "full" and c.pp == 1 and c.tp == 1),
     ("HSDP", lambda c: c.dp_replicate > 1 and c.dp_shard > 1 and c.tp == 1 and c.pp == 1 and c.ac_mode == "none"),
 ]
-STEPS = ["--training.steps", "5", "--metrics.val_batches", "0", "--metrics.progress", "false",
+STEPS = ["--training.steps", "10", "--metrics.val_batches", "0", "--metrics.progress", "false",
          "--checkpoint.enabled", "false", "--metrics.live_bytes", "true"]
 
 
@@ -68,7 +68,7 @@ def run(quick: bool = False) -> None:
     from plait.plan.calibrate import cached
     from plait.plan.compare import compare, read_run
     from plait.plan.planner import plan
-    from plait.plan.timing import Hardware, host_cores
+    from plait.plan.hardware import Hardware, host_cores
     from plait.train.config import load
 
     hw = dataclasses.replace(cached(8) or Hardware(), cores=host_cores())

@@ -3,8 +3,9 @@ Gloo's cost per call among N processes and a TP rank's cost, cache it per N.
 
     probe.py's N forked ranks -> per group size g: the cost of a call and the bandwidth among N
       processes; the CPU of one DTensor op; per TP degree and sequence parallel on/off, the TP
-      factor, alone and under replicate over the rest (R x T); per CP degree, the CP factor;
-      the contention factor (its docstring)
+      factor, alone and under replicate or fully_shard over the rest (R x T, FSDP x T); per CP
+      degree, the CP factor; per group size, the FSDP factor; the contention factor (its
+      docstring)
     one of the model's blocks, forward and backward, fp32, one thread, at 8 tokens -> op_s: its
     CPU time (thread time: what a rank's work costs, apart from who else shares the core) over
     the ops it dispatches (counted with a TorchDispatchMode; host time dominates
@@ -12,12 +13,13 @@ Gloo's cost per call among N processes and a TP rank's cost, cache it per N.
     over its time less ops * op_s; the same block under plait's checkpoint_wrapper -> ac_factor:
     its time over the plain block's (the forward again and the checkpoint's own work)
     -> Hardware(nproc=N, collectives=((g, s per call, bytes/s), ...), tp_factors=((g, sp,
-       factor), ...), tp_ddp_factors (the same, R x T), cp_factors=((c, factor), ...),
+       factor), ...), tp_ddp_factors and tp_fsdp_factors (the same, R x T and FSDP x T),
+       cp_factors=((c, factor), ...), fsdp_factors=((g, factor), ...),
        contention) -> JSON at $PLAIT_CACHE_DIR or ~/.cache/plait/plan-calibration.json,
        {str(N): fields}, reused for jobs of N ranks
 
 The whole calibration stops by its deadline (30 s): the forked ranks are killed past 4/5 of it
-(measured quiet, 8 ranks of `small` on 2 cores: they finish in 20-22 s, the block's timings take
+(measured quiet, 8 ranks of `small` on 2 cores: they finish in 17-19 s, the block's timings take
 the rest).
 """
 
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 from plait.plan.probe import collective_costs
-from plait.plan.timing import Hardware
+from plait.plan.hardware import Hardware
 
 DEADLINE_S = 30.0
 
@@ -115,9 +117,10 @@ def _read_cache() -> dict:
 def _hardware(fields: dict, source: str) -> Hardware:
     fields = dict(fields)
     fields["collectives"] = tuple(tuple(c) for c in fields.get("collectives", ()))
-    for key in ("tp_factors", "tp_ddp_factors"):
+    for key in ("tp_factors", "tp_ddp_factors", "tp_fsdp_factors"):
         fields[key] = tuple(tuple(c) for c in fields.get(key, ()))
-    fields["cp_factors"] = tuple(tuple(c) for c in fields.get("cp_factors", ()))
+    for key in ("cp_factors", "fsdp_factors"):
+        fields[key] = tuple(tuple(c) for c in fields.get(key, ()))
     return Hardware(**{**fields, "source": source})
 
 
@@ -125,6 +128,11 @@ def _tp_factors(factors: dict[str, float], prefix: str) -> tuple[tuple[int, bool
     """((g, sequence parallel, factor), ...) of the probe's "PREFIXg,sp" keys."""
     return tuple(sorted((int(k[len(prefix):].split(",")[0]), k.endswith(",1"), f)
                         for k, f in factors.items() if k.startswith(prefix)))
+
+
+def _degree_factors(factors: dict[str, float], prefix: str) -> tuple[tuple[int, float], ...]:
+    """((degree, factor), ...) of the probe's "PREFIXdegree" keys."""
+    return tuple(sorted((int(k[len(prefix):]), f) for k, f in factors.items() if k.startswith(prefix)))
 
 
 def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = True) -> Hardware:
@@ -150,7 +158,8 @@ def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = Tru
                   dtensor_op_s=dtensor_op_s or Hardware.dtensor_op_s, nproc=nproc, ac_factor=ac_factor,
                   collectives=tuple((g, c, b) for g, (c, b) in sorted(table.items())),
                   tp_factors=_tp_factors(factors, "tp:"), tp_ddp_factors=_tp_factors(factors, "tpddp:"),
-                  cp_factors=tuple(sorted((int(k[3:]), f) for k, f in factors.items() if k.startswith("cp:"))),
+                  tp_fsdp_factors=_tp_factors(factors, "tpfsdp:"),
+                  cp_factors=_degree_factors(factors, "cp:"), fsdp_factors=_degree_factors(factors, "fsdp:"),
                   contention=contention,
                   source="calibrated")
     fields = hw.as_dict()

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_rows(rows))
         return 0 if equal else 1
     from plait.plan.planner import plan
-    from plait.plan.timing import Hardware
+    from plait.plan.hardware import Hardware
     from plait.train.config import apply_overrides, load
 
     try:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             hw = cached(opts["nproc"]) or hw
         import dataclasses
 
-        from plait.plan.timing import host_cores
+        from plait.plan.hardware import host_cores
 
         hw = dataclasses.replace(hw, cores=host_cores())  # the ranks of a one-host job share them
         preds, rejected = plan(config, opts["nproc"], hw=hw, memory_limit=opts["memory"],

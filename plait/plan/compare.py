@@ -20,7 +20,8 @@ import statistics
 from pathlib import Path
 
 from plait.plan.memory import memory_per_rank
-from plait.plan.timing import Hardware, step_time
+from plait.plan.hardware import Hardware
+from plait.plan.timing import step_time
 from plait.plan.traffic import bytes_per_step
 
 
@@ -59,7 +60,7 @@ def compare(run_dir: str | Path, hw: Hardware | None = None) -> tuple[list[tuple
     import dataclasses
 
     from plait.plan.calibrate import cached
-    from plait.plan.timing import host_cores
+    from plait.plan.hardware import host_cores
 
     hw = hw or cached(record["world_size"]) or Hardware()
     hw = dataclasses.replace(hw, cores=host_cores())  # the run's ranks shared this host's cores

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from plait.plan.layouts import Layout, Rejected, enumerate_layouts
 from plait.plan.memory import Memory, memory_per_rank
-from plait.plan.timing import Hardware, StepTime, step_time
+from plait.plan.hardware import Hardware
+from plait.plan.timing import StepTime, step_time
 from plait.plan.traffic import bytes_per_step
 from plait.train.config import JobConfig
 

@@ -22,11 +22,17 @@ a tensor-parallel model, measured among N processes as a job of N ranks runs the
         TP collectives' CPU and their waits, all as measured; and, where g < N, the same under
         replicate over the dp groups of N/g, as plait train runs R x T (DDP's take-in of
         DTensor gradients is per gradient, and its all-reduces' CPU and waits are in the step),
-        measured with sequence parallel, its ratio to TP alone carried over to TP without it
+        and under fully_shard over them (each block, then the root), as it runs FSDP x T (FSDP's
+        copy-in and copy-out on DTensors, its gathers and reductions), each measured with
+        sequence parallel, its ratio to TP alone carried over to TP without it
       cp factor, per context-parallel degree c: the same for the model under plait train's
-        context parallel (ring attention) on groups of c, a cp rank's tokens (c times the
+        context parallel (ring attention) and fully_shard (each block, then the root: plait train
+        shards every CP layout over dp_shard x cp) on groups of c, a cp rank's tokens (c times the
         sequences, each cut to 2 of 2c chunks) over the plain model's at as many tokens (whole
         sequences: each token attends over the whole sequence either way)
+      fsdp factor, per group size g: the plain model under fully_shard (each block, then the
+        root) over groups of g, at the plain model's tokens, over the plain model's: FSDP's copy-in
+        and copy-out, its gathers and reductions, as FSDP and HSDP layouts run them
       contention: the plain model's step (the CP factor's base) among N ranks over its CPU alone
         (timed after, in the calibrating process) times the ranks per core: what N processes on
         these cores get done per CPU second against one alone (caches, switches), at least 1
@@ -75,14 +81,19 @@ def cp_degrees(seq_len: int, nproc: int) -> list[int]:
 
 
 def _together(step, repeats: int = TP_REPEATS) -> float:
-    """Wall seconds of one `step` with every rank at it at once, as the job's ranks run."""
+    """Wall seconds of one `step` with every rank at it at once, as the job's ranks run: from a
+    barrier to the last rank's end (a job's next step waits for its slowest rank; a rank's own
+    end alone would read short where it got the cores first, and a ratio of two such figures
+    swung by 1.5x between calibrations)."""
     from plait import comm
 
     step()  # warm-up: plans built, buffers allocated
-    comm.barrier(group=comm.world_group())
+    world = comm.world_group()
+    comm.barrier(group=world)
     t0 = time.perf_counter()
     for _ in range(repeats):
         step()
+    comm.barrier(group=world)
     return (time.perf_counter() - t0) / repeats
 
 
@@ -91,14 +102,28 @@ def _cp_step(cp_batch, train, m, x, y, mesh) -> None:
         train(m, x_local, y_local)
 
 
+def _replicate(model, mesh) -> None:
+    from plait.ddp import replicate
+
+    replicate(model, device_mesh=mesh)
+
+
+def _fully_shard(model, mesh) -> None:
+    """As plait train shards a stage: each block, then the root."""
+    from plait.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> dict[str, float]:
-    """{"tp:g,sp", "tpddp:g,sp" and "cp:c": the sharded model's wall a step over the plain
-    model's at the same tokens, each with all N ranks at it}."""
+    """{"tp:g,sp", "tpddp:g,sp", "tpfsdp:g,sp", "cp:c" and "fsdp:g": the sharded model's wall a
+    step over the plain model's at the same tokens, each with all N ranks at it}."""
     import dataclasses
 
     import torch
 
-    from plait.ddp import replicate
     from plait.device_mesh import init_device_mesh
     from plait.models.llama import Transformer, parallelize_llama
     from plait.train.context import cp_batch
@@ -126,14 +151,16 @@ def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> d
         for sp in (True, False):
             m = parallelize_llama(model(), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
             out[f"tp:{g},{int(sp)}"] = _together(functools.partial(train, m, x, y)) / base
-        if g < nproc:  # R x T: plait train's replicate over the dp groups, its reduction in the step;
-            # measured with sequence parallel, and its ratio to TP alone carried to TP without it
-            # (DDP's take-in and all-reduces do not depend on it; the probe's budget: 30 s in all)
+        for key, wrap in (("tpddp", _replicate), ("tpfsdp", _fully_shard)) if g < nproc else ():
+            # R x T, FSDP x T: plait train's data-parallel wrapper over the dp groups, its take-in
+            # and collectives in the step; measured with sequence parallel, and its ratio to TP
+            # alone carried to TP without it (the wrapper's work does not depend on it; the
+            # probe's budget: 30 s in all)
             m = parallelize_llama(model(), mesh["tp"], sequence_parallel=True, loss_parallel=True)
-            replicate(m, device_mesh=mesh["dp"])
-            ddp = _together(functools.partial(train, m, x, y)) / base
-            out[f"tpddp:{g},1"] = ddp
-            out[f"tpddp:{g},0"] = out[f"tp:{g},0"] * ddp / out[f"tp:{g},1"]
+            wrap(m, mesh["dp"])
+            wrapped = _together(functools.partial(train, m, x, y)) / base
+            out[f"{key}:{g},1"] = wrapped
+            out[f"{key}:{g},0"] = out[f"tp:{g},0"] * wrapped / out[f"tp:{g},1"]
     s = seq_len
     b = max(1, min(batch, TP_TOKENS // s))
     x, y = tokens(b, s)
@@ -142,8 +169,12 @@ def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> d
         mesh = init_device_mesh("cpu", (nproc // c, c), mesh_dim_names=("dp", "cp"))
         xc, yc = tokens(b * c, s)
         m = model()
-
+        _fully_shard(m, mesh["cp"])  # plait train shards a CP layout over dp_shard x cp
         out[f"cp:{c}"] = _together(functools.partial(_cp_step, cp_batch, train, m, xc, yc, mesh["cp"])) / base
+    for g in group_sizes(nproc):  # a dp_shard-g rank: the plain model under fully_shard over groups of g
+        m = model()
+        _fully_shard(m, init_device_mesh("cpu", (nproc // g, g), mesh_dim_names=("dp", "shard"))["shard"])
+        out[f"fsdp:{g}"] = _together(functools.partial(train, m, x, y)) / base
     return out
 
 
@@ -174,6 +205,7 @@ def _rank(rank: int, nproc: int, store: str, out: str, repeats: int, tp: tuple |
                 a @ w
             if group is not None:
                 comm.all_reduce(tensor, group=group)
+        comm.barrier(group=world)  # to the last rank's end, as _together
         return (time.perf_counter() - t0) / repeats
 
     variants = {"bursts": (None, None), **{f"small{g}": (groups[g], small) for g in sizes},
@@ -241,7 +273,7 @@ def collective_costs(nproc: int, *, budget_s: float = 15.0, repeats: int = 10, t
     factors = {k: statistics.mean(f["sharded"][k] for f in found) for k in found[0].get("sharded", {})}
     contention = 1.0
     if tp is not None:  # the plain model's step among the N ranks against this process's alone
-        from plait.plan.timing import host_cores
+        from plait.plan.hardware import host_cores
 
         alone = _plain_alone(*tp)  # after the fork: this process, alone
         contention = factors.pop("plain") / (alone * max(1.0, nproc / host_cores()))

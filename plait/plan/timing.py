@@ -27,7 +27,16 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
                    per-op cost and FLOPs / t miss (measured: 2x the plain CPU per rank at tp 2).
                    R x T (dp_replicate * tp = N): the probe's step under replicate over N / tp,
                    which holds DDP's gradient take-in (per gradient on DTensors) and its
-                   all-reduces: the dp_replicate axis and DDP's ops are not charged again
+                   all-reduces: the dp_replicate axis and DDP's ops are not charged again.
+                   FSDP x T (dp_replicate * dp_shard * tp = N, dp_shard > 1): the probe's step under
+                   fully_shard over N / tp (per block, then the root, as plait train wraps), which
+                   holds FSDP's copy-in and copy-out on DTensor parameters and its gathers and
+                   reductions: the dp axes and FSDP's ops are not charged again (HSDP's shard
+                   gathers, reductions and replica all-reduce move the same bytes per rank as
+                   FSDP over their product at 2 x 2, in one more call per group).
+                   FSDP and HSDP (dp_shard > 1, no TP, CP or PP): fsdp_factor(dp_shard) times
+                   the plain model's, measured under fully_shard over groups of dp_shard: the
+                   dp_shard axis and FSDP's ops are not charged again (HSDP's dp_replicate is)
     compute_s    = microbatch + the step's host ops                           pp = 1
                  = the pipeline simulator's makespan with F = microbatch / 3 per stage, B = 2F
                    (3F with AC), W = F, plus the step's host ops               pp > 1 (bubble in)
@@ -43,73 +52,24 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
                    is left to overlap it on); otherwise tp + pp + cp's ring (on the critical path:
                    the ring gathers K/V before its blocks compute) + max(0, dp - overlap *
                    compute_s) (FSDP/DDP gathers and reductions overlap compute, up to `overlap`)
-    cp: a rank's tokens are B/dp * s/cp; each still attends over the whole sequence s
+    cp: a rank's tokens are B/dp * s/cp; each still attends over the whole sequence s;
+                   calibrated, cp_factor times the plain model's, measured under fully_shard over
+                   the cp group as plait train shards CP layouts: the cp axis (ring and FSDP's
+                   collectives over it) and FSDP's ops are not charged again
     step_s       = compute_s + exposed
 
-Defaults (no --calibrate): 5e10 FLOP/s per rank, 8 us per op, 70 us per DTensor op (plait's
-Python dispatch; measured on this 2-core host, loaded), Gloo 1e9 B/s and 50 us per call,
-overlap 0.5.
+The figures (defaults, or calibrated) are hardware.py's Hardware.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import dataclass
 
+from plait.plan.hardware import Hardware
 from plait.plan.shapes import fsdp_groups, rank_coords, stage_params, stages_of
 from plait.plan.traffic import calls_per_step, ring_bytes
-
-
-@dataclass(frozen=True)
-class Hardware:
-    flop_rate: float = 5e10  # FLOP/s per rank
-    bandwidth: float = 1e9  # bytes/s a rank sends on a collective
-    latency: float = 50e-6  # seconds per collective call on 2 ranks
-    overlap: float = 0.5  # fraction of compute that can hide data-parallel communication
-    op_s: float = 8e-6  # host seconds per dispatched aten op
-    dtensor_op_s: float = 70e-6  # host seconds per op on a DTensor
-    cores: int = 0  # cores the ranks share (0: one each, no oversubscription)
-    nproc: int = 0  # the process count `collectives` was measured at (0: none measured)
-    collectives: tuple[tuple[int, float, float], ...] = ()  # (group size, s per call, bytes/s per rank) at nproc
-    ac_factor: float = 0.0  # a checkpointed block's time over a plain one's (0: not measured; FLOPs 8/6, ops AC_OPS)
-    tp_factors: tuple[tuple[int, bool, float], ...] = ()  # (tp, sequence parallel, factor) at nproc (probe.py)
-    tp_ddp_factors: tuple[tuple[int, bool, float], ...] = ()  # the same under replicate over nproc / tp (R x T)
-    cp_factors: tuple[tuple[int, float], ...] = ()  # (cp, factor) at nproc (probe.py)
-    contention: float = 1.0  # CPU work's cost among nproc ranks here over alone (probe.py; 1: not measured)
-    source: str = "defaults"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def in_situ(self, world: int) -> bool:
-        """Whether the collective costs were measured among `world` processes on this host."""
-        return bool(self.collectives) and self.nproc == world
-
-    def collective(self, group: int, world: int) -> tuple[float, float]:
-        """(seconds per call, bytes/s per rank) of a collective over `group` ranks of a `world`-rank job:
-        the probe's figure at that process count (its group size, else the next larger one measured);
-        otherwise the 2-rank latency times Gloo's g - 1 ring steps, and the 2-rank bandwidth."""
-        if self.in_situ(world):
-            for g, call, bw in self.collectives:
-                if g >= group:
-                    return call, bw
-            return self.collectives[-1][1:]
-        return self.latency * max(1, group - 1), self.bandwidth
-
-
-    def tp_factor(self, tp: int, sequence_parallel: bool, world: int, *, ddp: bool = False) -> float:
-        """A TP rank's wall per step over the plain model's CPU at its tokens, measured among
-        `world` processes here, alone or (ddp) under replicate over the other world / tp ranks
-        (0: not measured)."""
-        if not self.in_situ(world):
-            return 0.0
-        table = self.tp_ddp_factors if ddp else self.tp_factors
-        return next((f for g, sp, f in table if g == tp and sp == sequence_parallel), 0.0)
-
-    def cp_factor(self, cp: int, world: int) -> float:
-        """A CP rank's wall per step over the plain model's at as many tokens, measured among
-        `world` processes here (0: not measured)."""
-        return next((f for c, f in self.cp_factors if c == cp), 0.0) if self.in_situ(world) else 0.0
 
 
 @dataclass(frozen=True)
@@ -191,21 +151,16 @@ def step_ops(args, dims, stages) -> tuple[float, float]:
     sharded = dims.dp_shard * dims.cp > 1 or dims.tp > 1  # parameters are DTensors
     dt = DTENSOR_OPS_PER_PARAM * len(params) if sharded else 0
     plain = OPS_PER_PARAM * len(params) - dt
+    return plain + _wrapper_ops(args, dims, stages), dt
+
+
+def _wrapper_ops(args, dims, stages) -> float:
+    """The data-parallel wrapper's own ops a step (step_ops' share: FSDP's per group, DDP's per
+    parameter)."""
+    params = [stage_params(args, dims, s, 0) for s in stages]
     if dims.dp_shard * dims.cp > 1:
-        plain += FSDP_OPS_PER_GROUP * sum(len(fsdp_groups(stage_params(args, dims, s, 0))) for s in stages)
-    elif dims.dp_replicate > 1:
-        plain += DDP_OPS_PER_PARAM * len(params)
-    return plain, dt
-
-
-def host_cores() -> int:
-    """Cores this process may run on (the ranks of a one-host job share them)."""
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+        return FSDP_OPS_PER_GROUP * sum(len(fsdp_groups(p)) for p in params)
+    return DDP_OPS_PER_PARAM * sum(len(p) for p in params) if dims.dp_replicate > 1 else 0.0
 
 
 def oversubscription(dims, hw: Hardware) -> float:
@@ -234,16 +189,25 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     once_plain, once_dt = step_ops(args, dims, stages)
     bubble = 0.0
     tp_f = hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size) if dims.tp > 1 else 0.0
-    # R x T: the probe ran this layout's step itself (replicate over world / tp), DDP's take-in
-    # of DTensor gradients and its all-reduces included (a cache from before it: the TP factor)
-    r_x_t = dims.tp > 1 and dims.dp_replicate > 1 and dims.dp_replicate * dims.tp == dims.world_size
-    r_x_t = r_x_t and bool(hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size, ddp=True))
-    if r_x_t:
-        tp_f = hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size, ddp=True)
-        once_plain -= DDP_OPS_PER_PARAM * sum(len(stage_params(args, dims, s, 0)) for s in stages)
+    # R x T, FSDP x T: the probe ran this layout's step itself (TP under replicate or fully_shard
+    # over world / tp), the wrapper's take-in of DTensor gradients and its collectives included;
+    # a cache from before that variant: the TP factor, and the wrapper charged as counted
+    held_dp = []
+    wrapper = "fully_shard" if dims.dp_shard > 1 else "replicate" if dims.dp_replicate > 1 else ""
+    if dims.tp > 1 and wrapper and dims.dp_replicate * dims.dp_shard * dims.tp == dims.world_size:
+        wrapped = hw.tp_factor(dims.tp, dims.sequence_parallel, dims.world_size, wrapper=wrapper)
+        if wrapped:
+            tp_f, held_dp = wrapped, ["dp_replicate", "dp_shard"]
+            once_plain -= _wrapper_ops(args, dims, stages)
     cp_f = hw.cp_factor(dims.cp, dims.world_size) if dims.cp > 1 else 0.0
+    fsdp_f = 0.0
+    if dims.dp_shard > 1 and dims.tp == dims.cp == dims.pp == 1:  # FSDP, HSDP: the probe's FSDP step
+        fsdp_f = hw.fsdp_factor(dims.dp_shard, dims.world_size)
+    if cp_f or fsdp_f:  # the probe's step ran under fully_shard (over the cp group for CP): FSDP's own ops are in it
+        once_plain -= _wrapper_ops(args, dims, stages)
     opt_host = over * (once_plain * hw.op_s + once_dt * hw.dtensor_op_s)
-    sharded = (tp_f or 1.0) * (cp_f or 1.0) if tp_f or cp_f else 0.0  # both: their product
+    measured = [f for f in (tp_f, cp_f, fsdp_f) if f]
+    sharded = math.prod(measured) if measured else 0.0  # several: their product
 
     def microbatch(stage: int, n: float) -> tuple[float, float]:
         """(seconds, of them host) of one microbatch's forward + backward of `n` tokens on `stage`:
@@ -282,7 +246,7 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     for axis in sorted(set(traffic) | set(calls)):
         per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
         comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
-    held = [("tp", tp_f), ("cp", cp_f)] + [("dp_replicate", tp_f)] * r_x_t
+    held = [("tp", tp_f), ("cp", cp_f), ("dp_shard", fsdp_f)] + [(axis, tp_f) for axis in held_dp]
     for axis, f in held:  # the probe's step held the axis' collectives:
         if f:  # their CPU and their waits are in compute
             comm.pop(axis, None)

@@ -10,7 +10,8 @@ import pytest
 
 from plait.plan import calibrate as cal
 from plait.plan import probe
-from plait.plan.timing import Hardware, step_time
+from plait.plan.hardware import Hardware
+from plait.plan.timing import step_time
 from plait.plan.traffic import bytes_per_step, calls_per_step
 from plait.train.config import apply_overrides, load
 from plait.train.layout import check
@@ -35,8 +36,10 @@ def test_probe_reports_a_cost_per_call_and_a_bandwidth_per_group_size_and_tp_fac
     assert 0.0 < dtensor_op_s < 0.1
     degrees = probe.tp_degrees(args, 4)
     assert degrees and sorted(factors) == sorted([f"tp:{g},{sp}" for g in degrees for sp in (0, 1)]
-                                                 + [f"tpddp:{g},{sp}" for g in degrees if g < 4 for sp in (0, 1)]
-                                                 + [f"cp:{c}" for c in probe.cp_degrees(32, 4)])
+                                                 + [f"{key}:{g},{sp}" for key in ("tpddp", "tpfsdp")
+                                                    for g in degrees if g < 4 for sp in (0, 1)]
+                                                 + [f"cp:{c}" for c in probe.cp_degrees(32, 4)]
+                                                 + [f"fsdp:{g}" for g in (2, 4)])
     assert all(math.isfinite(f) and f > 0 for f in factors.values()), factors
 
 
@@ -60,7 +63,8 @@ def fake_probe(monkeypatch, tmp_path):
 
     def costs(nproc, **kw):
         runs.append(nproc)
-        return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"tp:2,1": 3.0, "tp:2,0": 2.5, "tpddp:2,1": 3.5, "cp:2": 1.5}, 1.25
+        return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"tp:2,1": 3.0, "tp:2,0": 2.5, "tpddp:2,1": 3.5, "tpfsdp:2,0": 3.25,
+                                                                            "cp:2": 1.5, "fsdp:4": 1.75}, 1.25
 
     monkeypatch.setattr(cal, "collective_costs", costs)
     monkeypatch.setattr(cal, "block_costs", lambda args, **kw: (5e-6, 4e10, 1.5))
@@ -75,6 +79,8 @@ def test_calibration_is_cached_per_process_count(fake_probe, tmp_path):
     assert (hw8.latency, hw8.bandwidth) == (2e-3, 5e7)  # the smallest group's
     assert hw8.tp_factors == ((2, False, 2.5), (2, True, 3.0)) and hw8.cp_factors == ((2, 1.5),)
     assert hw8.tp_ddp_factors == ((2, True, 3.5),) and cal.cached(8).tp_ddp_factors == hw8.tp_ddp_factors
+    assert hw8.tp_fsdp_factors == ((2, False, 3.25),) and cal.cached(8).tp_fsdp_factors == hw8.tp_fsdp_factors
+    assert hw8.fsdp_factors == ((4, 1.75),) and cal.cached(8).fsdp_factors == hw8.fsdp_factors
     assert hw8.contention == 1.25
     assert cal.cached(8).tp_factors == hw8.tp_factors and cal.cached(8).contention == 1.25
     hw4 = cal.calibrate(args, batch=2, seq_len=32, nproc=4)
@@ -223,6 +229,97 @@ def test_r_x_t_takes_the_factor_measured_under_replicate_and_holds_the_dp_reduct
     st = step_time(args, dims, bytes_per_step(args, dims, **kw), with_ddp, **kw)
     assert "dp_shard" in st.comm_s and st.compute_s == pytest.approx(
         step_time(args, dims, bytes_per_step(args, dims, **kw), tp_only, **kw).compute_s)
+
+
+def test_fsdp_x_t_takes_the_factor_measured_under_fully_shard_and_holds_the_dp_axes():
+    """S2 T2 on 4 processes with the probe's FSDP x T factor (TP under fully_shard over the other
+    2): a microbatch costs that factor, and neither the dp_shard axis nor FSDP's own ops per
+    group are charged again; HSDP x T (R2 S2 T2 on 8) takes it too and holds both dp axes; R2 T2
+    is not FSDP x T and keeps the TP factor."""
+    import dataclasses
+
+    from plait.plan.shapes import fsdp_groups, stage_params, stages_of
+    from plait.plan.timing import FSDP_OPS_PER_GROUP
+
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    hw = Hardware(cores=2, nproc=4, collectives=((2, 1e-3, 3e8), (4, 2e-3, 1e8)), tp_factors=((2, True, 3.0),))
+    with_fsdp = dataclasses.replace(hw, tp_fsdp_factors=((2, True, 4.0),))
+    args, dims = check(apply_overrides(load("tiny"), ["--parallel.dp_shard", "2", "--parallel.tp", "2"]), 4)
+    traffic = bytes_per_step(args, dims, **kw)
+    before, after = (step_time(args, dims, traffic, h, **kw) for h in (hw, with_fsdp))
+    assert "dp_shard" in before.comm_s and not {"dp_shard", "tp"} & set(after.comm_s)
+    opt = 2 * _step_ops_s(args, dims, hw)  # stretched 2x: 4 ranks on 2 cores
+    plain_mb = (before.compute_s - opt) / 3.0
+    groups = sum(len(fsdp_groups(stage_params(args, dims, s, 0))) for s in stages_of(dims, 0))
+    fsdp_ops = 2 * FSDP_OPS_PER_GROUP * groups * hw.op_s
+    assert after.compute_s == pytest.approx(4.0 * plain_mb + opt - fsdp_ops)
+    args, dims = check(apply_overrides(load("tiny"), ["--parallel.dp_shard", "1", "--parallel.dp_replicate", "2",
+                                                      "--parallel.tp", "2"]), 4)
+    traffic = bytes_per_step(args, dims, **kw)
+    assert step_time(args, dims, traffic, with_fsdp, **kw) == step_time(args, dims, traffic, hw, **kw)
+    args, dims = check(apply_overrides(load("tiny"), ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
+                                                      "--parallel.tp", "2"]), 8)
+    kw8 = dict(kw, batch_size=16)
+    traffic = bytes_per_step(args, dims, **kw8)
+    hsdp = step_time(args, dims, traffic, dataclasses.replace(with_fsdp, nproc=8, collectives=((8, 3e-3, 1e8),)),
+                     **kw8)
+    assert {"dp_replicate", "dp_shard"} <= set(traffic) and not {"dp_replicate", "dp_shard", "tp"} & set(hsdp.comm_s)
+
+
+def test_a_measured_cp_factor_holds_the_cp_axis_and_fsdp_s_own_ops():
+    """R2 C2 on 4 processes with the probe's CP factor (ring attention under fully_shard over the
+    cp group, as plait train shards CP layouts): a microbatch costs the factor times the plain
+    model's, and neither the cp axis (the ring's and FSDP's collectives over it) nor FSDP's own
+    ops per group are charged again; the replicas' all-reduce still is."""
+    import dataclasses
+
+    from plait.plan.shapes import fsdp_groups, stage_params, stages_of
+    from plait.plan.timing import FSDP_OPS_PER_GROUP, host_ops, stage_flops_per_token
+
+    args, dims = check(apply_overrides(load("tiny"), ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                                                      "--parallel.cp", "2"]), 4)
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    traffic = bytes_per_step(args, dims, **kw)
+    hw = Hardware(cores=2, nproc=4, collectives=((2, 1e-3, 3e8), (4, 2e-3, 1e8)), cp_factors=((2, 2.5),))
+    st = step_time(args, dims, traffic, hw, **kw)
+    assert "cp" in traffic and "cp" not in st.comm_s and "dp_replicate" in st.comm_s
+    plain, opts = dataclasses.replace(dims, cp=1), dict(ac_mode="none", ac_every=2)
+    tokens = 8 // 2 * 32 // 2  # a rank's: the batch over dp, half of each sequence
+    mb = 2.5 * 2 * (tokens * stage_flops_per_token(args, plain, 0, seq_len=32, **opts) / hw.flop_rate
+                    + host_ops(args, plain, 0, **opts)[0] * hw.op_s)
+    groups = sum(len(fsdp_groups(stage_params(args, dims, s, 0))) for s in stages_of(dims, 0))
+    opt = 2 * (_step_ops_s(args, dims, hw) - FSDP_OPS_PER_GROUP * groups * hw.op_s)
+    assert st.compute_s == pytest.approx(mb + opt)
+
+
+def test_fsdp_and_hsdp_take_the_fsdp_factor_at_their_shard_size():
+    """S4 and R2 S2 on 4 processes with the probe's FSDP factors: a microbatch costs the factor
+    at dp_shard times the plain model's, the dp_shard axis and FSDP's ops per group are not
+    charged again, HSDP's replica all-reduce still is; with a pipeline the factor is not used
+    (FSDP there gathers once a step, not once a microbatch)."""
+    import dataclasses
+
+    from plait.plan.shapes import fsdp_groups, stage_params, stages_of
+    from plait.plan.timing import FSDP_OPS_PER_GROUP
+
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    hw = Hardware(cores=2, nproc=4, collectives=((2, 1e-3, 3e8), (4, 2e-3, 1e8)))
+    with_fsdp = dataclasses.replace(hw, fsdp_factors=((2, 1.5), (4, 2.0)))
+    for overrides, factor in ((["--parallel.dp_shard", "4"], 2.0),
+                              (["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 1.5)):
+        args, dims = check(apply_overrides(load("tiny"), overrides), 4)
+        traffic = bytes_per_step(args, dims, **kw)
+        plain = step_time(args, dims, traffic, hw, **kw)
+        st = step_time(args, dims, traffic, with_fsdp, **kw)
+        assert "dp_shard" in plain.comm_s and "dp_shard" not in st.comm_s
+        assert ("dp_replicate" in st.comm_s) == (dims.dp_replicate > 1)
+        groups = sum(len(fsdp_groups(stage_params(args, dims, s, 0))) for s in stages_of(dims, 0))
+        opt = 2 * _step_ops_s(args, dims, hw)  # stretched 2x: 4 ranks on 2 cores
+        fsdp_ops = 2 * FSDP_OPS_PER_GROUP * groups * hw.op_s
+        assert st.compute_s == pytest.approx(factor * (plain.compute_s - opt) + opt - fsdp_ops)
+    args, dims = check(apply_overrides(load("tiny"), ["--parallel.dp_shard", "2", "--parallel.pp", "2"]), 4)
+    traffic = bytes_per_step(args, dims, **kw)
+    assert step_time(args, dims, traffic, with_fsdp, **kw) == step_time(args, dims, traffic, hw, **kw)
 
 
 def test_oversubscribed_pipeline_ranks_fill_one_another_s_bubbles():
