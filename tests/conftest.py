@@ -13,18 +13,18 @@ def _stop_rank_pools():
     testing.shutdown()
 
 
-# Files whose tests share one run through a cache, by the unit that runs them on one worker (so the
-# run happens once). A file with a module-scoped fixture is its own unit without being listed.
-SHARED_RUNS = {
-    # test_readme.plait_run_failures: every README example under plait run; test_exit.plait_pair
-    "tests/test_readme.py": "readme launches",
-    "tests/comm/test_exit.py": "readme launches",
-    "tests/comm/test_launch_env.py": "readme launches",
-    # module-level references, in the test process or in each pool rank
-    "tests/train/test_parity.py": "tests/train/test_parity.py",
-    "tests/fsdp/test_tp_torch_placements.py": "tests/fsdp/test_tp_torch_placements.py",
-    "tests/pipelining/test_runtime_parity.py": "tests/pipelining/test_runtime_parity.py",
-    "tests/pipelining/test_pp_fsdp.py": "tests/pipelining/test_pp_fsdp.py",
+# Tests that share one run through a cache go to one worker as one unit, so the run happens once.
+# A file with a module-scoped fixture is one unit without being listed here.
+WHOLE_FILES = {  # module-level references, in the test process or in each pool rank
+    "tests/train/test_parity.py",
+    "tests/fsdp/test_tp_torch_placements.py",
+    "tests/pipelining/test_runtime_parity.py",
+    "tests/pipelining/test_pp_fsdp.py",
+}
+README_LAUNCHES = {  # test_readme.plait_run_failures: every README example under plait run; test_exit.plait_pair
+    "tests/test_readme.py",
+    "tests/comm/test_exit.py",
+    "tests/comm/test_launch_env.py",
 }
 
 
@@ -34,13 +34,13 @@ def _has_module_fixture(path: Path) -> bool:
 
 
 def schedule_unit(root: Path, nodeid: str) -> str:
-    """What one xdist worker runs as one unit: the files of a shared run (SHARED_RUNS), a file
-    whose fixture is module-scoped (a reference run of torch's own example, a launched job), else
-    the test alone."""
+    """What one xdist worker runs as one unit: the README's launches (three files), a file with a
+    module-level cache (WHOLE_FILES) or a module-scoped fixture (a reference run of torch's own
+    example, a launched job), else the test alone."""
     path = nodeid.split("::", 1)[0]
-    if path in SHARED_RUNS:
-        return SHARED_RUNS[path]
-    return path if _has_module_fixture(root / path) else nodeid
+    if path in README_LAUNCHES:
+        return "readme launches"
+    return path if path in WHOLE_FILES or _has_module_fixture(root / path) else nodeid
 
 
 @pytest.hookimpl(optionalhook=True)

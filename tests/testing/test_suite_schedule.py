@@ -30,4 +30,4 @@ def test_every_file_with_a_module_level_cache_runs_whole_on_one_worker():
               if MODULE_CACHE.search(p.read_text())]
     assert len(cached) >= 5, cached  # the pattern still finds the caches it was written for
     split = [f for f in cached if schedule_unit(ROOT, f"{f}::a") != schedule_unit(ROOT, f"{f}::b")]
-    assert not split, f"add these files to tests/conftest.py's SHARED_RUNS: {split}"
+    assert not split, f"add these files to tests/conftest.py's WHOLE_FILES: {split}"
