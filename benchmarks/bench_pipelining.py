@@ -256,9 +256,10 @@ def _p2p_latency(reps: int = 30) -> float:
 
 def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
     """Per schedule: (name, stages, simulated, simulated with latency, latency, plait,
-    torch, plait µs, torch µs); the µs are CPU per compute action beyond the stages' own
-    (the step's thread_time minus the same forwards and backwards in a plain loop), mean
-    over ranks: the runtime's cost on the critical path, which the simulator leaves out."""
+    torch, plait µs, torch µs, simulated with latency and plait's µs, the same with torch's);
+    the µs are CPU per compute action beyond the stages' own (the step's thread_time minus
+    the same forwards and backwards in a plain loop), mean over ranks: the runtime's cost on
+    the critical path, which the simulator charges only as Costs.host."""
     p = dist.get_world_size()
     latency = _p2p_latency()
     bare = _sleep_stage_cpu(unit)
@@ -288,6 +289,10 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
         per_action /= p
         sim = simulate(plan, Costs(1.0, 2.0, 1.0)).bubble
         sim_latency = simulate(plan, Costs(1.0, 2.0, 1.0, comm=latency / unit)).bubble
+        sim_host = [  # and each runtime's own CPU per action, on its rank before each compute
+            simulate(plan, Costs(1.0, 2.0, 1.0, comm=latency / unit, host=max(0.0, us) * 1e-6 / unit)).bubble
+            for us in per_action.tolist()
+        ]
         rows.append(
             (
                 name,
@@ -298,6 +303,7 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
                 median(measured["plait"]),
                 median(measured["torch"]),
                 *per_action.tolist(),
+                *sim_host,
             )
         )
     return rows
@@ -483,7 +489,8 @@ def run(quick: bool) -> None:
                 )
             )
         bubbles = run_distributed(_bubbles, names, reps, unit, world_size=world, timeout=1800)[0]
-        for name, stages, sim, sim_latency, latency, ours, theirs, ours_us, theirs_us in bubbles:
+        for (name, stages, sim, sim_latency, latency, ours, theirs, ours_us, theirs_us, ours_host,
+             theirs_host) in bubbles:
             bubble_rows.append(
                 (
                     world,
@@ -493,9 +500,12 @@ def run(quick: bool) -> None:
                     f"{sim_latency:.1%} ({latency * 1e3:.2f} ms)",
                     f"{ours:.1%}",
                     f"{(ours - sim_latency) * 100:+.1f}",
-                    f"{theirs:.1%}",
                     f"{ours_us:.0f}",
+                    f"{ours_host:.1%}",
+                    f"{(ours - ours_host) * 100:+.1f}",
+                    f"{theirs:.1%}",
                     f"{theirs_us:.0f}",
+                    f"{(theirs - theirs_host) * 100:+.1f}",
                 )
             )
     overheads = [
@@ -544,9 +554,12 @@ def run(quick: bool) -> None:
             "sim with p2p latency",
             "plait",
             "plait - sim w/ latency (pts)",
-            "torch",
             "plait µs/action",
+            "sim w/ latency + plait µs",
+            "plait - that (pts)",
+            "torch",
             "torch µs/action",
+            "torch - sim w/ latency + torch µs (pts)",
         ),
         bubble_rows,
         notes="simulated: plait.pipelining.simulate with Costs(F=1, B=2, W=1), transfers free; "
@@ -554,8 +567,9 @@ def run(quick: bool) -> None:
         "in the same run (in brackets). Measured: 1 - sum of sleeps / (p * window), over all "
         "ranks' logged sleeps. µs/action: CPU time (thread_time) per compute action beyond "
         "the stages' own forward and backward, mean over ranks: the runtime's work between "
-        "two sleeps, on the critical path and not in the simulator (cold caches after each "
-        "sleep make it larger than in the loop below).",
+        "two sleeps (cold caches after each sleep make it larger than in the loop below); "
+        "'+ µs': the simulator with that runtime's figure as Costs.host, rank time before "
+        "each compute.",
     )
     print_table(
         f"pipeline runtime overhead per compute action (4x4 linear stages, {MICROBATCHES} "

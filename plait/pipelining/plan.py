@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, help="pipeline ranks p")
     p.add_argument("--microbatches", type=int, help="microbatches m per step")
     p.add_argument("--stages-per-rank", type=int, help="v for interleaved/looped schedules")
-    p.add_argument("--costs", default="1,2,1", help="F,B,W[,comm] times; I = B - W (default 1,2,1)")
+    p.add_argument("--costs", default="1,2,1", help="F,B,W[,comm[,host]] times; I = B - W (default 1,2,1)")
     p.add_argument("--csv", help="custom schedule in torch's CSV format (one row per rank)")
     p.add_argument("--svg", help="write the timeline picture here")
     p.add_argument("--png", help="also draw a PNG (needs matplotlib)")

@@ -118,8 +118,9 @@ def test_timeline_respects_dependencies_and_rank_order():
 def test_costs():
     assert Costs.parse("1,2,1") == Costs()
     assert Costs.parse("1,3,1,0.5") == Costs(1, 3, 1, 0.5)
+    assert Costs.parse("1,3,1,0.5,0.1") == Costs(1, 3, 1, 0.5, host=0.1)
     assert Costs(1, 3, 1).of(F(0, 0).kind) == 1
-    for bad in ("1,2", "a,b,c", "1,2,2", "0,2,1", "1,2,1,-1"):
+    for bad in ("1,2", "a,b,c", "1,2,2", "0,2,1", "1,2,1,-1", "1,2,1,0,-1", "1,2,1,0,0,1"):
         with pytest.raises(ValueError):
             Costs.parse(bad)
 
@@ -136,6 +137,23 @@ def test_communication_latency_widens_the_bubble():
     assert slow.bubble > simulate(schedule).bubble
     # At least the 3 forward and 3 backward hops of the critical path's fill and drain.
     assert slow.makespan >= 33 + 0.5 * 2 * 3
+
+
+def test_host_work_per_action_is_rank_time_that_is_not_compute():
+    """Costs.host: each compute action takes its rank `host` before it computes. One rank, m
+    microbatches of F = 1, B = 2: the window runs from the first compute to the last, 3m of
+    compute and 2m - 1 host gaps; on 4 ranks every compute starts at least `host` after the
+    rank's previous one ended, and the bubble is wider than with free host work."""
+    m, h = 4, 0.25
+    one = simulate(build_schedule("1F1B", 1, m), Costs(host=h))
+    assert one.makespan == pytest.approx(3 * m + (2 * m - 1) * h)
+    assert one.bubble == pytest.approx(1 - 3 * m / one.makespan)
+    assert one.busy == (3 * m,)
+    schedule = build_schedule("1F1B", 4, 8)
+    sim = simulate(schedule, Costs(host=h))
+    for slots in sim.timeline:
+        assert all(b.start - a.end >= h - 1e-12 for a, b in zip(slots, slots[1:]))
+    assert sim.bubble > simulate(schedule).bubble and sim.busy == simulate(schedule).busy
 
 
 def test_simulate_checks_first():

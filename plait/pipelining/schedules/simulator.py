@@ -4,9 +4,12 @@ Timing model (dataflow): a rank runs its compute actions in list order; an actio
 when the rank is free and every action it reads (`deps.Dataflow`) has ended, plus
 `Costs.comm` when that input comes from another rank. Communication is asynchronous: SEND
 and RECV take no rank time, so a lowered schedule times exactly like its compute-only form.
+`Costs.host` is the runtime's own work per compute action (taking in its input, dispatch,
+posting its output): rank time before the compute that is not compute, so it counts as
+bubble, as a measured bubble (time not computing) counts it.
 
-Bubble: over the window from the first action's start to the last action's end (the
-makespan T, the same window for every rank), the fraction of rank-time spent idle:
+Bubble: over the window from the first compute's start to the last compute's end (the
+makespan T, the same window for every rank), the fraction of rank-time not computing:
 
     bubble = sum_r (T - busy_r) / (p * T)
 
@@ -32,13 +35,15 @@ from .schedule import Schedule
 class Costs:
     """Time per action. I costs `backward - weight`, so splitting B into I and W keeps its total.
 
-    Defaults: F = 1, B = 2, W = 1 (so I = 1), transfers free.
+    Defaults: F = 1, B = 2, W = 1 (so I = 1), transfers free, no host work (`host`: the
+    runtime's own rank time per compute action, before it).
     """
 
     forward: float = 1.0
     backward: float = 2.0
     weight: float = 1.0
     comm: float = 0.0
+    host: float = 0.0
 
     def __post_init__(self) -> None:
         if self.forward <= 0 or self.backward <= 0:
@@ -50,18 +55,18 @@ class Costs:
                 f"weight cost({self.weight}) must be in [0, backward({self.backward})): "
                 "I costs backward - weight"
             )
-        if self.comm < 0:
-            raise ValueError(f"comm cost must be >= 0, got {self.comm}")
+        if self.comm < 0 or self.host < 0:
+            raise ValueError(f"comm({self.comm}) and host({self.host}) costs must be >= 0")
 
     @staticmethod
     def parse(text: str) -> Costs:
-        """`"F,B,W"` (e.g. `"1,2,1"`), or `"F,B,W,comm"`."""
+        """`"F,B,W"` (e.g. `"1,2,1"`), `"F,B,W,comm"` or `"F,B,W,comm,host"`."""
         try:
             values = [float(x) for x in text.split(",")]
         except ValueError:
-            raise ValueError(f"costs must be numbers 'F,B,W[,comm]', got {text!r}") from None
-        if len(values) not in (3, 4):
-            raise ValueError(f"costs must be 'F,B,W' or 'F,B,W,comm', got {text!r}")
+            raise ValueError(f"costs must be numbers 'F,B,W[,comm[,host]]', got {text!r}") from None
+        if len(values) not in (3, 4, 5):
+            raise ValueError(f"costs must be 'F,B,W', 'F,B,W,comm' or 'F,B,W,comm,host', got {text!r}")
         return Costs(*values)
 
     def of(self, kind: ActionType) -> float:
@@ -133,7 +138,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
                 ready = [
                     end[p] + (costs.comm if owner[p.stage] != r else 0.0) for p in flow.producers(a)
                 ]
-                start = max([free[r], *ready])
+                start = max([free[r], *ready]) + costs.host
                 free[r] = end[a] = start + costs.of(a.kind)
                 slots[r].append(Slot(a, start, end[a]))
                 pos[r] += 1
