@@ -67,8 +67,8 @@ def run(quick: bool = False) -> None:
 
     from plait.plan.calibrate import cached
     from plait.plan.compare import compare, read_run
-    from plait.plan.planner import plan
     from plait.plan.hardware import Hardware, host_cores
+    from plait.plan.planner import plan
     from plait.train.config import load
 
     hw = dataclasses.replace(cached(8) or Hardware(), cores=host_cores())

@@ -31,8 +31,8 @@ import statistics
 import time
 from pathlib import Path
 
-from plait.plan.probe import collective_costs
 from plait.plan.hardware import Hardware
+from plait.plan.probe import collective_costs
 
 DEADLINE_S = 30.0
 

@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(format_rows(rows))
         return 0 if equal else 1
-    from plait.plan.planner import plan
     from plait.plan.hardware import Hardware
+    from plait.plan.planner import plan
     from plait.train.config import apply_overrides, load
 
     try:

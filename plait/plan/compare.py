@@ -19,8 +19,8 @@ import json
 import statistics
 from pathlib import Path
 
-from plait.plan.memory import memory_per_rank
 from plait.plan.hardware import Hardware
+from plait.plan.memory import memory_per_rank
 from plait.plan.timing import step_time
 from plait.plan.traffic import bytes_per_step
 

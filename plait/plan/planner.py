@@ -14,9 +14,9 @@ import dataclasses
 import shlex
 from dataclasses import dataclass
 
+from plait.plan.hardware import Hardware
 from plait.plan.layouts import Layout, Rejected, enumerate_layouts
 from plait.plan.memory import Memory, memory_per_rank
-from plait.plan.hardware import Hardware
 from plait.plan.timing import StepTime, step_time
 from plait.plan.traffic import bytes_per_step
 from plait.train.config import JobConfig

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from plait.plan.hardware import Hardware
 from plait.plan.layouts import enumerate_layouts
 from plait.plan.memory import memory_per_rank
 from plait.plan.shapes import chunk, stage_params
-from plait.plan.hardware import Hardware
 from plait.plan.timing import AC_OPS, step_time
 from plait.plan.traffic import all_gather, all_reduce, bytes_per_step
 from plait.train.config import apply_overrides, load
