@@ -27,7 +27,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from plait.fsdp.api import MixedPrecisionPolicy
-from plait.fsdp.group import ParamGroup, ReduceQueue, ShardedState
+from plait.fsdp.group import ParamGroup, ShardedState
+from plait.fsdp.reduce import ReduceQueue
 
 _dynamo_disable = torch._disable_dynamo
 
