@@ -104,7 +104,6 @@ def _cp_step(cp_batch, train, m, x, y, mesh) -> None:
 
 def _replicate(model, mesh) -> None:
     from plait.ddp import replicate
-
     replicate(model, device_mesh=mesh)
 
 
