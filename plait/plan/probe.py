@@ -5,8 +5,8 @@ a tensor-parallel model, measured among N processes as a job of N ranks runs the
     start-up to wait for), one thread each, as plait train runs N ranks here:
       in step, each computes a burst (two 256x128 @ 128x512 matmuls, ~1 ms: the small config's
       ranks compute 0.6-1.8 ms between calls) then calls an all-reduce over its group of g
-      consecutive ranks, every group of that size at once, for each g dividing N; the variants
-      alternate over ROUNDS rounds ->
+      consecutive ranks, every group of that size at once, for each g dividing N (each group
+      warmed up first); the variants alternate over ROUNDS rounds, the median of each taken ->
         per call (s), per g: the wall a 4-byte call adds over the bursts alone: its CPU, stretched
           by the ranks sharing a core, and the waits for its group's ranks to be scheduled
         bandwidth (bytes/s per rank), per g: a 1 MiB all-reduce's ring bytes per rank,
@@ -209,10 +209,13 @@ def _rank(rank: int, nproc: int, store: str, out: str, repeats: int, tp: tuple |
 
     variants = {"bursts": (None, None), **{f"small{g}": (groups[g], small) for g in sizes},
                 **{f"big{g}": (groups[g], big) for g in sizes}}
-    found = dict.fromkeys(variants, 0.0)
-    for _ in range(ROUNDS):  # each variant in every round: a change in the host's load falls on all alike
-        for key, (group, tensor) in variants.items():
-            found[key] += loop(group, tensor) / ROUNDS
+    for group, tensor in variants.values():  # a group's first all-reduce sets Gloo up: 45 ms a call
+        if group is not None:  # at 8 processes, 6 ms after (g8 read 10 ms in a mean over rounds)
+            comm.all_reduce(tensor, group=group)
+    rounds = {key: [] for key in variants}  # each variant in every round: a change in load falls on all alike
+    for key, (group, tensor) in [kv for _ in range(ROUNDS) for kv in variants.items()]:
+        rounds[key].append(loop(group, tensor))
+    found = {key: statistics.median(times) for key, times in rounds.items()}
     from plait.device_mesh import init_device_mesh
     from plait.tensor import Replicate, distribute_tensor
 
