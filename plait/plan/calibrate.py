@@ -117,9 +117,7 @@ def _read_cache() -> dict:
 def _hardware(fields: dict, source: str) -> Hardware:
     fields = dict(fields)
     fields["collectives"] = tuple(tuple(c) for c in fields.get("collectives", ()))
-    for key in ("tp_factors", "tp_ddp_factors", "tp_fsdp_factors"):
-        fields[key] = tuple(tuple(c) for c in fields.get(key, ()))
-    for key in ("cp_factors", "fsdp_factors"):
+    for key in ("tp_factors", "tp_ddp_factors", "tp_fsdp_factors", "cp_factors", "fsdp_factors"):
         fields[key] = tuple(tuple(c) for c in fields.get(key, ()))
     return Hardware(**{**fields, "source": source})
 

@@ -66,12 +66,15 @@ class Hardware:
     def cp_factor(self, cp: int, world: int) -> float:
         """A CP rank's wall per step over the plain model's at as many tokens, measured among
         `world` processes here (0: not measured)."""
-        return next((f for c, f in self.cp_factors if c == cp), 0.0) if self.in_situ(world) else 0.0
+        return self._at_degree(self.cp_factors, cp, world)
 
     def fsdp_factor(self, shard: int, world: int) -> float:
         """An FSDP rank's wall per step (fully_shard over groups of `shard`) over the plain
         model's at its tokens, measured among `world` processes here (0: not measured)."""
-        return next((f for g, f in self.fsdp_factors if g == shard), 0.0) if self.in_situ(world) else 0.0
+        return self._at_degree(self.fsdp_factors, shard, world)
+
+    def _at_degree(self, table: tuple[tuple[int, float], ...], degree: int, world: int) -> float:
+        return next((f for d, f in table if d == degree), 0.0) if self.in_situ(world) else 0.0
 
 
 def host_cores() -> int:

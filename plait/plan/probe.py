@@ -107,15 +107,6 @@ def _replicate(model, mesh) -> None:
     replicate(model, device_mesh=mesh)
 
 
-def _fully_shard(model, mesh) -> None:
-    """As plait train shards a stage: each block, then the root."""
-    from plait.fsdp import fully_shard
-
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
 def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> dict[str, float]:
     """{"tp:g,sp", "tpddp:g,sp", "tpfsdp:g,sp", "cp:c" and "fsdp:g": the sharded model's wall a
     step over the plain model's at the same tokens, each with all N ranks at it}."""
@@ -126,7 +117,7 @@ def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> d
     from plait.device_mesh import init_device_mesh
     from plait.models.llama import Transformer, parallelize_llama
     from plait.train.context import cp_batch
-    from plait.train.parallelize import lm_loss
+    from plait.train.parallelize import lm_loss, shard_stage
 
     small = dataclasses.replace(args, n_layers=min(args.n_layers, TP_LAYERS))
     gen = torch.Generator().manual_seed(rank)
@@ -150,7 +141,7 @@ def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> d
         for sp in (True, False):
             m = parallelize_llama(model(), mesh["tp"], sequence_parallel=sp, loss_parallel=True)
             out[f"tp:{g},{int(sp)}"] = _together(functools.partial(train, m, x, y)) / base
-        for key, wrap in (("tpddp", _replicate), ("tpfsdp", _fully_shard)) if g < nproc else ():
+        for key, wrap in (("tpddp", _replicate), ("tpfsdp", shard_stage)) if g < nproc else ():
             # R x T, FSDP x T: plait train's data-parallel wrapper over the dp groups, its take-in
             # and collectives in the step; measured with sequence parallel, and its ratio to TP
             # alone carried to TP without it (the wrapper's work does not depend on it; the
@@ -168,11 +159,11 @@ def _sharded_factors(args, batch: int, seq_len: int, nproc: int, rank: int) -> d
         mesh = init_device_mesh("cpu", (nproc // c, c), mesh_dim_names=("dp", "cp"))
         xc, yc = tokens(b * c, s)
         m = model()
-        _fully_shard(m, mesh["cp"])  # plait train shards a CP layout over dp_shard x cp
+        shard_stage(m, mesh["cp"])  # plait train shards a CP layout over dp_shard x cp
         out[f"cp:{c}"] = _together(functools.partial(_cp_step, cp_batch, train, m, xc, yc, mesh["cp"])) / base
     for g in group_sizes(nproc):  # a dp_shard-g rank: the plain model under fully_shard over groups of g
         m = model()
-        _fully_shard(m, init_device_mesh("cpu", (nproc // g, g), mesh_dim_names=("dp", "shard"))["shard"])
+        shard_stage(m, init_device_mesh("cpu", (nproc // g, g), mesh_dim_names=("dp", "shard"))["shard"])
         out[f"fsdp:{g}"] = _together(functools.partial(train, m, x, y)) / base
     return out
 

@@ -78,6 +78,15 @@ def apply_activation_checkpointing(module: Transformer, *, mode: str, every: int
     return wrapped
 
 
+def shard_stage(module: Transformer, mesh) -> None:
+    """fully_shard each block, then the stage module (the root's group: embedding, norm, output)."""
+    from plait.fsdp import fully_shard
+
+    for block in module.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
 def parallelize_stage(module: Transformer, dims: ParallelDims, meshes: TrainMeshes, *,
                       ac_mode: str = "none", ac_every: int = 1, compile: bool = False,
                       compile_backend: str = "inductor") -> Transformer:
@@ -90,11 +99,7 @@ def parallelize_stage(module: Transformer, dims: ParallelDims, meshes: TrainMesh
         for block in module.layers.values():
             block.compile(backend=compile_backend)
     if meshes.fsdp is not None:
-        from plait.fsdp import fully_shard
-
-        for block in module.layers.values():
-            fully_shard(block, mesh=meshes.fsdp)
-        fully_shard(module, mesh=meshes.fsdp)
+        shard_stage(module, meshes.fsdp)
     elif meshes.replicate is not None:
         from plait.ddp import replicate
 
