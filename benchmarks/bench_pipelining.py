@@ -13,9 +13,11 @@ modules, the same split and the same schedule, 8 microbatches, world sizes 2 and
    with `simulate(schedule, Costs(1, 2, 1))`. The batch requires grad, so the first stage's
    backward splits into I and W like every other (plait splits it; torch always runs the
    first stage's whole backward at W, one reason its ZB bubbles differ). Each row also
-   compares `simulate` with Costs.comm = the measured one-way p2p time, and shows each
-   runtime's CPU per compute action beyond the stages' own (the time between two sleeps
-   that no simulator counts).
+   compares `simulate` with Costs.comm = the measured one-way p2p time, then with
+   Costs.host = the time a rank is awake between two sleeps and not waiting: the stages'
+   own autograd and tensor work (timed in a plain loop), and with it each runtime's CPU
+   per compute action beyond the stages' own. Measured minus the simulator with the stages'
+   own time is the runtime's share of the bubble; minus the one with both, what is left.
 3. Per-action overhead: 4x4 linear stages, 1F1B (and ZBV) over 8 microbatches on 1 and 2
    ranks; the step's CPU time (thread_time, so other jobs on the machine count less) minus
    that of the same forwards and backwards in a plain loop, per compute action, in µs;
@@ -228,13 +230,18 @@ def _bubble_of_step(schedule, stages: list[int], num_stages: int, x, y) -> tuple
     return 1.0 - stacked[:, 2].sum().item() / (dist.get_world_size() * window), cpu
 
 
-def _sleep_stage_cpu(unit: float, n: int = 2 * MICROBATCHES) -> float:
-    """CPU seconds of one SleepStage forward and backward in a plain loop (no pipeline)."""
+def _bare_stage(unit: float, n: int = 2 * MICROBATCHES) -> tuple[float, float]:
+    """One SleepStage forward and backward in a plain loop (no pipeline), per iteration:
+    (CPU seconds, wall seconds not sleeping: the stage's own autograd and tensor work)."""
     stage, x = SleepStage(unit), torch.randn(2, 4, requires_grad=True)
-    start = time.thread_time()
+    _SLEEPS.clear()
+    cpu, wall = time.thread_time(), time.perf_counter()
     for _ in range(n):
         stage(x).sum().backward()
-    return (time.thread_time() - start) / n
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    awake = wall - sum(e - s for s, e in _SLEEPS)
+    _SLEEPS.clear()
+    return cpu / n, awake / n
 
 
 def _p2p_latency(reps: int = 30) -> float:
@@ -256,13 +263,15 @@ def _p2p_latency(reps: int = 30) -> float:
 
 def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
     """Per schedule: (name, stages, simulated, simulated with latency, latency, plait,
-    torch, plait µs, torch µs, simulated with latency and plait's µs, the same with torch's);
-    the µs are CPU per compute action beyond the stages' own (the step's thread_time minus
-    the same forwards and backwards in a plain loop), mean over ranks: the runtime's cost on
-    the critical path, which the simulator charges only as Costs.host."""
+    torch, the stages' own µs, plait µs, torch µs, simulated with latency and the stages'
+    µs, the same and plait's µs, the same and torch's). All µs are per compute action, mean over ranks:
+    the stages' own is their wall time awake (autograd and tensor work between sleeps) in a
+    plain loop; a runtime's is its CPU beyond the stages' own (the step's thread_time minus
+    the same forwards and backwards in the loop). Both are rank time on the critical path
+    that is not sleeping, which the simulator charges only as Costs.host."""
     p = dist.get_world_size()
     latency = _p2p_latency()
-    bare = _sleep_stage_cpu(unit)
+    bare_cpu, bare_awake = _bare_stage(unit)
     rows = []
     for name in names:
         v, _ = SCHEDULES[name]
@@ -282,16 +291,19 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
                     cpu[impl].append(c)
         plan = build_schedule(name, p, MICROBATCHES, stages_per_rank=v if v > 1 else None)
         actions = sum(1 for a in plan.actions[dist.get_rank()] if a.is_compute)
+        passes = MICROBATCHES * len(owned) / actions  # stage passes (F and B) per compute action
         per_action = torch.tensor(
-            [(median(cpu[k]) - bare * MICROBATCHES * len(owned)) / actions * 1e6 for k in cpu]
+            [(median(cpu[k]) - bare_cpu * MICROBATCHES * len(owned)) / actions * 1e6 for k in cpu]
+            + [bare_awake * passes * 1e6]
         )
         dist.all_reduce(per_action)
         per_action /= p
+        *runtime_us, own_us = per_action.tolist()
         sim = simulate(plan, Costs(1.0, 2.0, 1.0)).bubble
         sim_latency = simulate(plan, Costs(1.0, 2.0, 1.0, comm=latency / unit)).bubble
-        sim_host = [  # and each runtime's own CPU per action, on its rank before each compute
-            simulate(plan, Costs(1.0, 2.0, 1.0, comm=latency / unit, host=max(0.0, us) * 1e-6 / unit)).bubble
-            for us in per_action.tolist()
+        sim_host = [  # and the stages' own µs, then each runtime's too, on its rank before each compute
+            simulate(plan, Costs(1.0, 2.0, 1.0, comm=latency / unit, host=us * 1e-6 / unit)).bubble
+            for us in (own_us, *(own_us + max(0.0, r) for r in runtime_us))
         ]
         rows.append(
             (
@@ -302,7 +314,8 @@ def _bubbles(names: list[str], reps: int, unit: float) -> list[tuple]:
                 latency,
                 median(measured["plait"]),
                 median(measured["torch"]),
-                *per_action.tolist(),
+                own_us,
+                *runtime_us,
                 *sim_host,
             )
         )
@@ -489,8 +502,8 @@ def run(quick: bool) -> None:
                 )
             )
         bubbles = run_distributed(_bubbles, names, reps, unit, world_size=world, timeout=1800)[0]
-        for (name, stages, sim, sim_latency, latency, ours, theirs, ours_us, theirs_us, ours_host,
-             theirs_host) in bubbles:
+        for (name, stages, sim, sim_latency, latency, ours, theirs, own_us, ours_us, theirs_us,
+             sim_own, ours_host, theirs_host) in bubbles:
             bubble_rows.append(
                 (
                     world,
@@ -500,10 +513,13 @@ def run(quick: bool) -> None:
                     f"{sim_latency:.1%} ({latency * 1e3:.2f} ms)",
                     f"{ours:.1%}",
                     f"{(ours - sim_latency) * 100:+.1f}",
+                    f"{own_us:.0f}",
+                    f"{sim_own:.1%}",
+                    f"{(ours - sim_own) * 100:+.1f}",
                     f"{ours_us:.0f}",
-                    f"{ours_host:.1%}",
                     f"{(ours - ours_host) * 100:+.1f}",
                     f"{theirs:.1%}",
+                    f"{(theirs - sim_own) * 100:+.1f}",
                     f"{theirs_us:.0f}",
                     f"{(theirs - theirs_host) * 100:+.1f}",
                 )
@@ -554,22 +570,28 @@ def run(quick: bool) -> None:
             "sim with p2p latency",
             "plait",
             "plait - sim w/ latency (pts)",
-            "plait µs/action",
-            "sim w/ latency + plait µs",
+            "stages' own µs/action",
+            "sim w/ latency + own",
             "plait - that (pts)",
+            "plait µs/action",
+            "plait - sim w/ latency + own + plait µs (pts)",
             "torch",
+            "torch - sim w/ latency + own (pts)",
             "torch µs/action",
-            "torch - sim w/ latency + torch µs (pts)",
+            "torch - sim w/ latency + own + torch µs (pts)",
         ),
         bubble_rows,
         notes="simulated: plait.pipelining.simulate with Costs(F=1, B=2, W=1), transfers free; "
         "'with p2p latency': the same with Costs.comm = plait.comm's one-way p2p time measured "
         "in the same run (in brackets). Measured: 1 - sum of sleeps / (p * window), over all "
-        "ranks' logged sleeps. µs/action: CPU time (thread_time) per compute action beyond "
-        "the stages' own forward and backward, mean over ranks: the runtime's work between "
-        "two sleeps (cold caches after each sleep make it larger than in the loop below); "
-        "'+ µs': the simulator with that runtime's figure as Costs.host, rank time before "
-        "each compute.",
+        "ranks' logged sleeps. Per compute action, mean over ranks: the stages' own µs is their "
+        "wall time awake between sleeps (autograd and tensor work) in a plain loop; a "
+        "runtime's µs is its CPU time (thread_time) beyond the stages' own forward and "
+        "backward: its work between two sleeps (cold caches after each sleep make it larger "
+        "than in the loop below). '+ own': the simulator with the stages' own µs as Costs.host "
+        "(rank time before each compute that is not sleeping), so 'plait - that' is the "
+        "runtime's share of the bubble; '+ own + plait µs': with the two summed, so what is "
+        "left is what no per-action cost explains.",
     )
     print_table(
         f"pipeline runtime overhead per compute action (4x4 linear stages, {MICROBATCHES} "
