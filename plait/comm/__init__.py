@@ -44,16 +44,22 @@ from plait.comm.group import (
     world_size,
 )
 from plait.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from plait.comm.prepared import PreparedAllReduce, prepare_all_reduce
+from plait.comm.prepared import (
+    PreparedAllReduce,
+    PreparedBroadcast,
+    prepare_all_reduce,
+    prepare_broadcast,
+)
 from plait.comm.work import Handle
 
 __all__ = [
-    "CommEvent", "CommListener", "GroupInfo", "Handle", "P2POp", "PreparedAllReduce", "functional",
+    "CommEvent", "CommListener", "GroupInfo", "Handle", "P2POp", "PreparedAllReduce", "PreparedBroadcast",
+    "functional",
     "add_listener", "all_gather", "all_reduce", "all_to_all", "autograd", "barrier",
     "batch_isend_irecv", "broadcast", "choose_algorithm", "default_backend",
     "destroy_process_group", "get_global_rank", "group_device", "get_rank", "get_world_size", "global_rank",
     "group_info", "init_process_group", "irecv", "is_initialized", "isend", "listeners",
-    "listening", "new_group", "prepare_all_reduce", "recv", "reduce", "reduce_scatter", "remove_listener", "send",
+    "listening", "new_group", "prepare_all_reduce", "prepare_broadcast", "recv", "reduce", "reduce_scatter", "remove_listener", "send",
     "set_algorithm", "world_group", "world_size",
 ]
 

@@ -22,3 +22,4 @@ batch_isend_irecv = dist.batch_isend_irecv
 P2POp = dist.P2POp
 ReduceOp = dist.ReduceOp
 AllreduceOptions = dist.AllreduceOptions
+BroadcastOptions = dist.BroadcastOptions

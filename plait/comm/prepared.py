@@ -1,5 +1,6 @@
-"""A collective issued again and again on the same tensor (DDP's bucket all-reduce): the door's
-checks and constant facts done once, each issue one frame.
+"""A collective issued again and again on the same tensor (DDP's bucket all-reduce, its
+buffers' broadcast every forward): the door's checks and constant facts done once, each issue
+one frame.
 
     prepare_all_reduce(buffer, group=g)  -> checks (type, device, contiguity, op, dtype) and
                                             the event's constant fields, once
@@ -14,6 +15,11 @@ compile guard (the reducer issues from gradient hooks, which run eagerly), c10d'
 wrapper (its checks are the door's; the op is never issued inside a coalescing manager), and
 a Handle per issue. The object is its own handle, one op in flight at a time, and is known to
 the exit hook (shutdown.py) from its creation, as a Handle is from its issue.
+
+    prepare_broadcast(tensor, group=g)   -> the same checks, once
+    op.run(src)  seq += 1 -> [listeners] on_start -> ProcessGroup.broadcast (C++) -> Work.wait()
+                 -> [listeners] on_end: synchronous, as `broadcast(..., async_op=False)`, so
+                 no Work outlives the call
 """
 
 from __future__ import annotations
@@ -100,9 +106,63 @@ class PreparedAllReduce:
             _dropped(self._work)
 
 
+class PreparedBroadcast:
+    """`broadcast(tensor, src=src, group=group)` on one fixed tensor, repeatedly (any root)."""
+
+    __slots__ = ("tensor", "_wire", "_group", "_info", "_bytes", "_shapes", "_dtypes", "_opts")
+
+    def __init__(self, tensor: torch.Tensor, *, group: ProcessGroup) -> None:
+        info = group_info(group)
+        checks.tensor(tensor, "tensor", info, in_place=True)
+        if type(tensor) is not torch.Tensor:
+            raise TypeError(f"a prepared broadcast takes a plain torch.Tensor, got {type(tensor).__name__}")
+        native = checks.is_native(tensor.dtype, info.backend)
+        self._wire = tensor if native else tensor.view(-1).view(torch.uint8)  # as comm.broadcast sends it
+        self.tensor, self._group, self._info = tensor, group, info
+        self._bytes = tensor.numel() * tensor.element_size()
+        self._shapes, self._dtypes = (tuple(tensor.shape),), (tensor.dtype,)
+        self._opts: dict[int, Any] = {}  # root -> c10d BroadcastOptions
+
+    def run(self, src: int) -> torch.Tensor:
+        """Copy group rank `src`'s `tensor` into `tensor` on every rank; returns it when done."""
+        info = self._info
+        info.seq += 1
+        event = None
+        if events._listeners:  # events.emit_start, inline
+            event = events.CommEvent(
+                op="broadcast", group_name=info.name, group_ranks=info.ranks, rank=info.rank, seq=info.seq,
+                input_shapes=self._shapes, input_dtypes=self._dtypes, output_shapes=self._shapes,
+                output_dtypes=self._dtypes, bytes_sent=self._bytes if info.rank == src else 0, peer=src)
+            for listener in events._listeners:
+                listener.on_start(event)
+        if info.size > 1:
+            opts = self._opts.get(src)
+            if opts is None:
+                if not 0 <= src < info.size:
+                    raise ValueError(f"src {src} is not a rank of group {info.name} (size {info.size})")
+                opts = self._opts[src] = _c10d.BroadcastOptions()
+                opts.rootRank, opts.rootTensor, opts.asyncOp = src, 0, False
+            work = self._group.broadcast([self._wire], opts)
+            if event is not None:
+                event.work = work
+            work.wait()
+            del work  # a held Work holds the op's buffers
+        if event is not None:  # events.emit_end, inline
+            event.work = None
+            event.end_ns = time.perf_counter_ns()
+            for listener in events._enders:
+                listener.on_end(event)
+        return self.tensor
+
+
+def prepare_broadcast(tensor: torch.Tensor, *, group: ProcessGroup) -> PreparedBroadcast:
+    """A broadcast of `tensor` over `group` to issue many times (`run(src)`)."""
+    return PreparedBroadcast(tensor, group=group)
+
+
 def prepare_all_reduce(tensor: torch.Tensor, *, group: ProcessGroup, op: str = "sum") -> PreparedAllReduce:
     """An all-reduce of `tensor` over `group` to issue many times (`start()`, then `wait()`)."""
     return PreparedAllReduce(tensor, group=group, op=op)
 
 
-__all__ = ["PreparedAllReduce", "prepare_all_reduce"]
+__all__ = ["PreparedAllReduce", "PreparedBroadcast", "prepare_all_reduce", "prepare_broadcast"]

@@ -74,6 +74,7 @@ class ReplicaState(Joinable):
                                 "tensor parameters or DTensors (tensor parallel on other mesh axes)")
         buffers = self._named_buffers()
         self._has_buffers = bool(buffers)
+        self._buffer_sync: sync.BufferBroadcast | None = None  # sync_buffers' plan, for these buffers
         shards.check_dtensor_params(named + buffers, group)
         device_types = {p.device.type for _, p in named}
         if len(device_types) != 1:
@@ -93,6 +94,12 @@ class ReplicaState(Joinable):
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         # looked up every time: a module may reassign its buffers (pytorch#63916)
         return [(n, b) for n, b in named_buffers(self.module) if n not in self.ignored]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """`_named_buffers()`' tensors; without names where none is ignored (every forward)."""
+        if self.ignored:
+            return [b for _, b in self._named_buffers()]
+        return buffers_of(self.module)
 
     # -- around forward ---------------------------------------------------------------
 
@@ -145,10 +152,13 @@ class ReplicaState(Joinable):
         return self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers
 
     def sync_buffers(self, root: int) -> None:
-        buffers = [shards.local(b) for _, b in self._named_buffers()]
+        buffers = [shards.local(b) for b in self._buffers()]
+        plan = self._buffer_sync
+        if plan is None or not plan.matches(buffers):
+            plan = self._buffer_sync = sync.BufferBroadcast(buffers, self.group)
         # a broadcast is not an autograd-visible change: keep saved-tensor version checks quiet
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            sync.broadcast_coalesced(buffers, src=root, group=self.group)
+            plan.run(root)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         self.reducer.register_comm_hook(state, hook)
@@ -217,6 +227,28 @@ def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if child is not None:
                 children.append((prefix + name + ".", child))
         stack.extend(reversed(children))
+    return out
+
+
+def buffers_of(module: nn.Module) -> list[torch.Tensor]:
+    """`[b for _, b in named_buffers(module)]` without building the names: the same tensors in
+    the same order (modules pre-order, each module and buffer once), a third of its time."""
+    out: list[torch.Tensor] = []
+    seen_modules: set[int] = set()
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen_modules:
+            continue
+        seen_modules.add(id(m))
+        if m._buffers:
+            for b in m._buffers.values():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    out.append(b)
+        if m._modules:
+            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
     return out
 
 

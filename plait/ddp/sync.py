@@ -3,7 +3,8 @@
     start-up   verify_shapes: all-gather every rank's (fqn order, shape, dtype) table
                -> the first difference raises on every rank, naming the tensor
                broadcast_coalesced(params + buffers, src=0): one flat tensor per dtype
-    forward    broadcast_coalesced(buffers, src=root) (BatchNorm running stats)
+    forward    BufferBroadcast(buffers).run(src=root) (BatchNorm running stats): the same
+               broadcasts, a lone tensor of its dtype in place through a prepared broadcast
     join       find_common_rank: all-reduce MAX of candidate ranks -> the root
 
 Every function here is a collective over `group`: all ranks call it, in the same order.
@@ -80,14 +81,8 @@ def verify_shapes(named: Sequence[tuple[str, torch.Tensor]], group: ProcessGroup
         )
 
 
-@torch.no_grad()
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], *, src: int, group: ProcessGroup,
-                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Copy group rank `src`'s values into `tensors` on every rank, one flat broadcast per
-    dtype and device (split at `bucket_bytes`)."""
-    if comm.get_world_size(group) == 1 or not tensors:
-        return
-    is_src = comm.get_rank(group) == src
+def _chunks(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by dtype and device, each group split at `bucket_bytes`."""
     groups: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for t in tensors:
@@ -99,13 +94,62 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], *, src: int, group: Pro
             sizes[key] = 0
         chunks[-1].append(t)
         sizes[key] = sizes.get(key, 0) + nbytes
-    for chunks in groups.values():
-        for chunk in chunks:
-            flat = _flatten_dense_tensors([t.detach() for t in chunk])
-            comm.broadcast(flat, src=src, group=group)
-            if not is_src:
-                for t, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
-                    t.copy_(value)
+    return [chunk for chunks in groups.values() for chunk in chunks]
+
+
+@torch.no_grad()
+def _broadcast_flat(chunk: list[torch.Tensor], src: int, group: ProcessGroup, is_src: bool) -> None:
+    flat = _flatten_dense_tensors([t.detach() for t in chunk])
+    comm.broadcast(flat, src=src, group=group)
+    if not is_src:
+        for t, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+            t.copy_(value)
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], *, src: int, group: ProcessGroup,
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Copy group rank `src`'s values into `tensors` on every rank, one flat broadcast per
+    dtype and device (split at `bucket_bytes`)."""
+    if comm.get_world_size(group) == 1 or not tensors:
+        return
+    is_src = comm.get_rank(group) == src
+    for chunk in _chunks(tensors, bucket_bytes):
+        _broadcast_flat(chunk, src, group, is_src)
+
+
+class BufferBroadcast:
+    """`broadcast_coalesced` of one list of tensors, every forward: the same chunks and
+    broadcasts, planned once. A chunk of one contiguous plain tensor (a model's lone buffer of
+    its dtype) is broadcast in place by a prepared broadcast: no flat copy either way, no
+    door checks per call. Valid while `matches` the list (re-read each forward, as torch
+    does: a module may reassign its buffers, pytorch#63916)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group: ProcessGroup,
+                 bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+        self.tensors = list(tensors)
+        self._shapes = [t.shape for t in self.tensors]
+        self._group = group
+        self._size = comm.get_world_size(group)
+        self._rank = comm.get_rank(group)
+        self._plan: list[comm.PreparedBroadcast | list[torch.Tensor]] = [
+            comm.prepare_broadcast(chunk[0], group=group)
+            if len(chunk) == 1 and type(chunk[0]) is torch.Tensor and chunk[0].is_contiguous() else chunk
+            for chunk in _chunks(self.tensors, bucket_bytes)
+        ] if self._size > 1 else []
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether `tensors` are this plan's, the same objects in the same shapes."""
+        mine = self.tensors
+        return len(tensors) == len(mine) and all(
+            a is b and a.shape == shape for a, b, shape in zip(tensors, mine, self._shapes))
+
+    def run(self, src: int) -> None:
+        """Copy group rank `src`'s values into the tensors on every rank."""
+        for step in self._plan:
+            if step.__class__ is list:
+                _broadcast_flat(step, src, self._group, self._rank == src)
+            else:
+                step.run(src)
 
 
 def find_common_rank(group: ProcessGroup, candidate: bool) -> int:

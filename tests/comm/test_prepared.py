@@ -58,3 +58,39 @@ def test_prepared_all_reduce_checks_once_as_the_door_does():
         comm.prepare_all_reduce(torch.zeros(4), group=g, op="median")
     assert comm.prepare_all_reduce(torch.ones(3), group=g).wait().tolist() == [1.0, 1.0, 1.0], \
         "a wait before any start returns the tensor untouched"
+
+
+@distributed([1, 2, 3])
+def test_prepared_broadcast_reports_and_copies_as_the_door(world_size):
+    g = comm.world_group()
+    rank = comm.get_rank(g)
+    buffer = torch.zeros(2, 3, dtype=torch.int64)
+    op = comm.prepare_broadcast(buffer, group=g)
+    rec = Recorder()
+    with comm.listening(rec), CommDebugMode() as mode:
+        for src in range(world_size):
+            buffer.fill_(10 * rank + src)
+            assert op.run(src) is buffer
+            assert buffer.eq(10 * src + src).all(), f"rank {rank} holds root {src}'s values"
+            reference = torch.full((2, 3), 10 * rank + src, dtype=torch.int64)
+            comm.broadcast(reference, src=src, group=g)
+            torch.testing.assert_close(buffer, reference, atol=0, rtol=0)
+    prepared, door = rec.started[0::2], rec.started[1::2]
+    assert [_fields(e) for e in prepared] == [_fields(e) for e in door]
+    assert [e.peer for e in prepared] == list(range(world_size))
+    assert [e.bytes_sent for e in prepared] == [48 if rank == src else 0 for src in range(world_size)]
+    seqs = [e.seq for e in rec.started]
+    assert seqs == list(range(seqs[0], seqs[0] + 2 * world_size)), "one sequence counter with the door's ops"
+    assert [e.seq for e in rec.ended] == seqs and all(e.completed and e.work is None for e in rec.ended)
+    assert mode.get_comm_counts()["broadcast"] == 2 * world_size
+
+
+@distributed([2])
+def test_prepared_broadcast_checks_as_the_door_does():
+    g = comm.world_group()
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.prepare_broadcast(torch.zeros(4, 4).t(), group=g)
+    with pytest.raises(ValueError, match="not a rank of group"):
+        comm.prepare_broadcast(torch.zeros(4), group=g).run(2)
+    with pytest.raises(TypeError, match="plain torch.Tensor"):
+        comm.prepare_broadcast(torch.nn.Parameter(torch.zeros(4)), group=g)

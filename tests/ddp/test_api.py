@@ -58,6 +58,42 @@ def test_state_dict_keys_and_buffers():
     assert not ddp.will_sync_module_buffers()  # a forward without grad did not sync
 
 
+@distributed([2])
+def test_buffers_broadcast_each_forward_follow_reassignment():
+    """Every training forward broadcasts the buffers found then (pytorch#63916): a buffer the
+    module replaced, and one it added, are rank 0's after the next forward, as in torch."""
+    g, rank, n = world()
+    ddp = DistributedDataParallel(ConvBN())
+    bn = ddp.module.bn
+    for step in range(3):
+        with torch.no_grad():  # float stats (one flat broadcast) and the int64 count (in place)
+            bn.running_mean.fill_(float(rank + step))
+            bn.num_batches_tracked.fill_(10 * rank)
+        if step == 1:
+            bn.running_var = torch.full((4,), float(rank + 5))  # reassigned: a new tensor
+        if step == 2:
+            bn.register_buffer("extra", torch.full((2, 3), float(rank), dtype=torch.float64))
+        same = torch.randn(PER_RANK, 2, 5, 5, generator=torch.Generator().manual_seed(step))
+        ddp(same).sum().backward()  # the same update on every rank: equal after only if equal before
+        for buffer in ddp.module.buffers():
+            assert_synced(buffer, g)
+        assert bn.num_batches_tracked.item() == 1, "rank 0's count, then its forward's increment"
+    assert bn.extra.eq(0.0).all() and bn.extra.dtype == torch.float64
+
+
+def test_buffers_of_is_named_buffers_without_names():
+    from plait.ddp.replica import buffers_of, named_buffers
+
+    shared = nn.BatchNorm1d(3)
+    model = nn.Sequential(shared, nn.Sequential(shared, nn.Linear(3, 3)), nn.BatchNorm1d(2))
+    model[1].register_buffer("none", None)
+    model[2].register_buffer("alias", model[2].running_mean)  # one tensor under two names
+    model.add_module("gone", None)
+    expected = [b for _, b in named_buffers(model)]
+    assert [id(b) for b in buffers_of(model)] == [id(b) for b in expected]
+    assert [id(b) for b in expected] == [id(b) for b in model.buffers()]
+
+
 @distributed([2, 4])
 def test_device_mesh_and_groups():
     g, rank, n = world()
