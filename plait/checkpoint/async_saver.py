@@ -5,7 +5,7 @@
     background (one thread per process): write files + fragment; rank 0 then waits for every
                 rank's fragment on the file system and commits -> the Future resolves
 
-A thread, not a process: the write is file I/O and zlib.crc32, both of which release the
+A thread, not a process: the write is file I/O and crc32 (zlib-ng's or zlib's), all of which release the
 GIL, so the training thread keeps running (measured in benchmarks/bench_checkpoint.py),
 and a process would need the staged copy moved to it (a second copy or shared memory)
 for nothing. The background part runs no collective, so it never races the training

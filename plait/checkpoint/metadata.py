@@ -25,11 +25,15 @@ from __future__ import annotations
 import functools
 import json
 import re
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+try:  # zlib-ng's crc32 is zlib's CRC-32, the same values, ~4.5x the bytes/s here (SIMD folding)
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # a platform without its wheel: the same checksums, slower
+    from zlib import crc32
 
 FORMAT = "plait-checkpoint"
 VERSION = 2
@@ -146,7 +150,7 @@ class Metadata:
         head = (f'{{\n "format": {enc(FORMAT)},\n "version": {VERSION},\n "tensors": {obj(self.tensors, tensor)},'
                 f'\n "values": {obj(self.values, enc)},\n "world_size": {enc(self.world_size)},'
                 f'\n "files": {enc(self.files)},\n "file_meta": {obj(self.file_meta, lambda m: enc(vars(m)))}')
-        return f'{head},\n "metadata_crc32": "{zlib.crc32(head.encode()):08x}"\n}}\n'
+        return f'{head},\n "metadata_crc32": "{crc32(head.encode()):08x}"\n}}\n'
 
     @staticmethod
     def from_json(text: str | bytes, *, where: str) -> Metadata:
@@ -154,7 +158,7 @@ class Metadata:
         data = text.encode() if isinstance(text, str) else text
         trailer = _TRAILER.search(data)
         if trailer is not None:
-            crc = zlib.crc32(data[:trailer.start()])
+            crc = crc32(data[:trailer.start()])
             if crc != int(trailer.group(1), 16):
                 raise CorruptCheckpointError(f"checksum mismatch in {where}: crc32 {crc:#010x}, saved "
                                              f"{int(trailer.group(1), 16):#010x}")

@@ -20,12 +20,17 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 
 import torch
 
-from plait.checkpoint.metadata import ChunkMeta, CorruptCheckpointError, FileMeta, safetensors_tag
+from plait.checkpoint.metadata import (
+    ChunkMeta,
+    CorruptCheckpointError,
+    FileMeta,
+    crc32,
+    safetensors_tag,
+)
 
 _BLOCK = 64 << 20  # crc32 and write in blocks: bounded temporaries, GIL released by both
 
@@ -59,7 +64,7 @@ def write_file(path: str, tensors: Sequence[tuple[str, torch.Tensor]], *, sync: 
     head = struct.pack("<Q", len(raw)) + raw
     base = len(head)
     out = WrittenFile()
-    out.file_meta = FileMeta(size=base + offset, header_nbytes=base, header_crc32=zlib.crc32(head))
+    out.file_meta = FileMeta(size=base + offset, header_nbytes=base, header_crc32=crc32(head))
     with open(path, "wb") as f:
         f.write(head)
         for name, t, n in cpu:
@@ -68,7 +73,7 @@ def write_file(path: str, tensors: Sequence[tuple[str, torch.Tensor]], *, sync: 
                 view = _bytes_of(t)
                 for start in range(0, n, _BLOCK):
                     block = view[start:start + _BLOCK]
-                    crc = zlib.crc32(block, crc)
+                    crc = crc32(block, crc)
                     f.write(block)
             out.append((name, base + header[name]["data_offsets"][0], n, crc))
         f.flush()
@@ -101,7 +106,7 @@ def check_file(path: str, meta: FileMeta, *, file: str, fqns: Sequence[str]) -> 
         if size != meta.size:
             what = "is truncated" if size < meta.size else "has grown"
             raise ChunkError(f"file {file!r} {what}: {size} bytes, saved {meta.size}; it holds {_tensors(fqns)}")
-        crc = zlib.crc32(f.read(meta.header_nbytes))
+        crc = crc32(f.read(meta.header_nbytes))
     if crc != meta.header_crc32:
         raise ChunkError(f"checksum mismatch in the safetensors header of file {file!r} (bytes [0, "
                          f"{meta.header_nbytes}), the index of {_tensors(fqns)}): crc32 {crc:#010x}, "
@@ -127,7 +132,7 @@ def read_chunk(path: str, chunk: ChunkMeta, *, fqn: str, into: torch.Tensor | No
         assert got == chunk.nbytes, (got, chunk.nbytes)
     crc = 0
     for start in range(0, chunk.nbytes, _BLOCK):
-        crc = zlib.crc32(view[start:start + _BLOCK], crc)
+        crc = crc32(view[start:start + _BLOCK], crc)
     if crc != chunk.crc32:
         raise ChunkError(f"checksum mismatch in file {chunk.file!r} for tensor {fqn!r} (chunk at offsets "
                          f"{chunk.offsets}, sizes {chunk.sizes}, bytes [{chunk.begin}, "

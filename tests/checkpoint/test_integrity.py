@@ -91,6 +91,27 @@ FLIPS = [(f, part, where) for f in FILES for part in ("header", "data") for wher
 FLIPS += [(METADATA_FILE, "all", where) for where in ("start", "middle", "end")]
 
 
+def test_checksums_are_zlib_crc32(saved):
+    """zlib-ng's crc32 (when installed) gives zlib's values: checkpoints written either way,
+    or before it, verify alike."""
+    import zlib
+
+    from plait.checkpoint.metadata import crc32
+
+    data = os.urandom(1 << 16)
+    assert crc32(data) == zlib.crc32(data) and crc32(data[7:], 12345) == zlib.crc32(data[7:], 12345)
+    path = saved / "step-000150"
+    md = dcp.FileSystemReader(path).read_metadata()
+    for file in FILES:
+        raw = (path / file).read_bytes()
+        assert zlib.crc32(raw[:md.file_meta[file].header_nbytes]) == md.file_meta[file].header_crc32
+        chunks = [c for t in md.tensors.values() for c in t.chunks if c.file == file]
+        assert chunks and all(zlib.crc32(raw[c.begin:c.begin + c.nbytes]) == c.crc32 for c in chunks)
+    text = (path / METADATA_FILE).read_text()
+    head, trailer = text.rsplit(",\n \"metadata_crc32\"", 1)
+    assert f"{zlib.crc32(head.encode()):08x}" in trailer
+
+
 @pytest.mark.parametrize("file,part,where", FLIPS)
 def test_flipped_byte_fails_load_and_verify(run, capsys, file, part, where):
     path = run / "step-000150"
