@@ -28,13 +28,15 @@ FLOOR = 400  # forward + backward + AdamW of a 2-layer Llama alone makes more ca
 
 # measured (the max over the two ranks) -> bound, about +10%
 BOUNDS = {
-    "DDP": 569,  # 517 (522 before the flight recorder's entry became a tuple made an Entry when read
+    "DDP": 527,  # 479 (517 before the buffers' broadcast became a prepared one found by a nameless
+    #              walk; 522 before the flight recorder's entry became a tuple made an Entry when read
     #              and the reducer's last countdown was set inline; 556 before the bucket all-reduce
     #              became a prepared one at the door, forward lost its dynamo-disable wrapper frames
     #              and the reducer's per-step helpers were inlined; 595 before the gradient hooks
     #              became C calls and a countdown, a Python frame per bucket; 1064 before the buffer
     #              walk and the one-call gradient hook)
-    "replicate": 497,  # 452 (455 before the same two cuts, torch's replicate 1332 against plait's 1332
+    "replicate": 497,  # 452 (455 before the same two cuts, torch's replicate 1332 against plait's 1332;
+    #                    1334 each in December: a helper frame per prepared op made plait's 1336
     #                    at 8 layers; 496 before the prepared all-reduce, and pre/post_forward's
     #                    dynamo-disable wrappers became marks; they stay module hooks, as torch's; 527
     #                    before the countdown; no buffer broadcast: torch's replicate syncs parameters only)
