@@ -115,14 +115,19 @@ def _owned(name: str, p: int) -> list[int]:
     )
 
 
-def _schedules(name: str, modules: dict[int, nn.Module], num_stages: int, loss_fn):
-    """(plait schedule, torch schedule) over independent copies of `modules`."""
+def _schedules(name: str, modules: dict[int, nn.Module], num_stages: int, loss_fn, first: str = "plait"):
+    """(plait schedule, torch schedule), each over its own copies of `modules`, the `first`
+    library's built first (the heap's layout favours one side: bench_host builds both ways)."""
     group = dist.group.WORLD
-    ours = [pp.PipelineStage(m, s, num_stages, "cpu", group=group) for s, m in modules.items()]
-    theirs = [
-        tpp.PipelineStage(copy.deepcopy(m), s, num_stages, torch.device("cpu"), group=group)
-        for s, m in modules.items()
-    ]
+
+    def build(lib: str) -> list:
+        if lib == "plait":
+            return [pp.PipelineStage(copy.deepcopy(m), s, num_stages, "cpu", group=group) for s, m in modules.items()]
+        return [tpp.PipelineStage(copy.deepcopy(m), s, num_stages, torch.device("cpu"), group=group)
+                for s, m in modules.items()]
+
+    built = {lib: build(lib) for lib in (first, "torch" if first == "plait" else "plait")}
+    ours, theirs = built["plait"], built["torch"]
     if SCHEDULES[name][0] == 1:
         return (
             getattr(pp, f"Schedule{name}")(ours[0], MICROBATCHES, loss_fn=loss_fn),

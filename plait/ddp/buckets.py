@@ -84,6 +84,10 @@ class Bucket:
         self.shapes = [p.shape for p in shards]
         self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
         self.views = [self.buffer.narrow(0, o, p.numel()).view(p.shape) for o, p in zip(self.offsets, shards)]
+        # the whole-bucket path's keys (intake.py): the members' identities in bucket order,
+        # and whether each is a plain tensor (a DTensor's gradient goes through its shard)
+        self.ids = [id(p) for p in params]
+        self.plain = all(s is p for s, p in zip(shards, params))
         # per iteration, owned by the reducer
         self.pending = len(params)
         self.work: object | None = None  # what wait() gives the result: the prepared all-reduce, a comm Handle or a torch Future

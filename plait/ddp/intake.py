@@ -41,6 +41,7 @@ from plait.ddp.shards import as_grad, local_grad
 from plait.tensor import DTensor
 
 _NOOP = [].clear  # a C callable returning None: a countdown tick that runs no Python
+_GRAD = operator.attrgetter("grad")
 
 
 class Phase(enum.Enum):
@@ -90,15 +91,30 @@ class GradientIntake:
         try:
             params = arrived[:]
             arrived.clear()
-            index = map(self._index_of.__getitem__, map(id, params))
+            ids = list(map(id, params))
             if self.phase is Phase.BACKWARD and not self.static_graph:  # the common path
-                self._fill(index)
+                nxt = self._next
+                bucket = self.buckets[nxt] if nxt < len(self.buckets) else None
+                if (bucket is not None and ids == bucket.ids and bucket.pending == len(ids) and bucket.plain
+                        and not self.gradient_as_bucket_view and not self._recording):
+                    # the steady state (buckets rebuilt in ready order): exactly the next bucket's
+                    # gradients, each once, in its order, plain tensors. _fill's effect with no
+                    # step per gradient in Python (inline: a frame less each bucket)
+                    ready, used = self._ready, self._local_used
+                    for i in bucket.param_indices:
+                        ready[i] = True
+                        used[i] = 1
+                    torch._foreach_copy_(bucket.views, list(map(_GRAD, bucket.params)))
+                    bucket.pending = 0
+                    self._launch_complete()
+                else:
+                    self._fill(map(self._index_of.__getitem__, ids))
             elif self.phase is Phase.IDLE:
                 used = self._used_since_sync
-                for i in index:
+                for i in map(self._index_of.__getitem__, ids):
                     used[i] = True
             else:
-                for i in index:
+                for i in map(self._index_of.__getitem__, ids):
                     self._arrive(i)
         finally:
             if self.phase is Phase.BACKWARD and self._next >= len(self.buckets):
@@ -175,20 +191,27 @@ class GradientIntake:
             if record:
                 self._order.append(i)
             bucket.pending -= 1
-            while self._next < len(buckets) and buckets[self._next].pending == 0:
-                if copy_to:
+            if bucket.pending == 0 and b == self._next:  # complete, and next in launch order
+                if copy_to:  # what the launches read, in first
                     torch._foreach_copy_(copy_to, copy_from)
                     copy_to.clear()
                     copy_from.clear()
-                nxt = buckets[self._next]
-                if self._hook is None:  # a comm hook gets the sum (torch's contract), the default 1/N of it
-                    nxt.buffer.mul_(1.0 / self._divisor if self._divisor is not None else self._scale())
-                    nxt.work = nxt.all_reduce.start()  # the door, prepared per bucket (_set_buckets)
-                else:
-                    nxt.work = self._launch(nxt, nxt.buffer)
-                self._next += 1
+                self._launch_complete()
         if copy_to:
             torch._foreach_copy_(copy_to, copy_from)
+
+    def _launch_complete(self) -> None:
+        """Launch every complete bucket from the next one on, in index order: scaled by 1/N
+        and all-reduced (or the comm hook's future, on the sum)."""
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            nxt = buckets[self._next]
+            if self._hook is None:  # a comm hook gets the sum (torch's contract), the default 1/N of it
+                nxt.buffer.mul_(1.0 / self._divisor if self._divisor is not None else self._scale())
+                nxt.work = nxt.all_reduce.start()  # the door, prepared per bucket (_set_buckets)
+            else:
+                nxt.work = self._launch(nxt, nxt.buffer)
+            self._next += 1
 
     def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> object:
         if self._hook is None:

@@ -29,6 +29,7 @@ got no gradient without find_unused_parameters still issues every bucket's colle
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,6 +45,8 @@ from plait.tensor import DTensor
 __all__ = ["Phase", "Reducer"]
 
 _NONE: frozenset[int] = frozenset()  # no parameter skipped: the common end of a backward
+_GRAD = operator.attrgetter("grad")
+_PLAIN = {torch.Tensor}  # the types of a bucket's .grads that one foreach copy may write (none None)
 
 
 class Reducer(GradientIntake):
@@ -215,6 +218,12 @@ class Reducer(GradientIntake):
                         result = result[0]
                     if result is not bucket.buffer:
                         bucket.buffer.copy_(result)
+                if skip is _NONE and bucket.plain and not as_views:  # the steady state: every .grad a plain tensor
+                    grads = list(map(_GRAD, bucket.params))
+                    if set(map(type, grads)) == _PLAIN:
+                        copy_to += grads
+                        copy_from += bucket.views
+                        continue
                 for k, i in enumerate(bucket.param_indices):
                     if i in skip:
                         continue
