@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from benchmarks import host_calls as hc
-from benchmarks.common import alternating_times, median, print_table, ratio
+from benchmarks.common import alternating_times, max_over_ranks, median, print_table, ratio
 from plait import comm
 from plait.testing import run_distributed
 
@@ -148,11 +148,13 @@ def _order(first: str) -> tuple[str, str]:
     return (first, "torch" if first == "plait" else "plait")
 
 
-def _row(name: str, build, group, warmup: int, rounds: int) -> dict:
+def _row(name: str, build, group, warmup: int, rounds: int, budget: float) -> dict:
     """One row: `build(first)` makes both libraries' steps, the `first` one's model first. It is
-    built twice, each library first once, half the rounds each, and the times pooled: which
-    model is allocated later runs its step up to ~0.1 ms (1-2%) faster at these sizes (the
-    heap's layout; measured with the same library on both sides), enough to decide a row."""
+    built twice, each library first once, and the times pooled: which model is allocated later
+    runs its step up to ~0.1 ms (1-2%) faster at these sizes (the heap's layout; measured with
+    the same library on both sides), enough to decide a row. Each build runs at least `rounds`
+    // 2 rounds, more where the steps are short enough to fit `budget` seconds: the rows whose
+    two sides differ least are the cheapest ones, and their medians need the most samples."""
     times: dict[str, list[tuple[float, float]]] = {"plait": [], "torch": []}
     calls: dict[str, float] = {}
     for first in ("plait", "torch"):
@@ -161,12 +163,15 @@ def _row(name: str, build, group, warmup: int, rounds: int) -> dict:
             steps["plait"](), steps["torch"]()
         if not calls:  # counted: the same whichever is built first
             calls = {lib: median([hc.count_calls(fn) for _ in range(3)]) for lib, fn in steps.items()}
-        t_ours, t_theirs = alternating_times(steps["plait"], steps["torch"], group, warmup=0,
-                                             rounds=(rounds + 1) // 2)
+        t0 = time.perf_counter()
+        steps["plait"](), steps["torch"]()
+        pair = max_over_ranks(time.perf_counter() - t0, group)  # every rank runs as many rounds
+        n = max((rounds + 1) // 2, min(200, int(budget / 2 / pair)))
+        t_ours, t_theirs = alternating_times(steps["plait"], steps["torch"], group, warmup=0, rounds=n)
         times["plait"] += t_ours
         times["torch"] += t_theirs
         del steps
-    return {"row": name, "calls": calls,
+    return {"row": name, "calls": calls, "rounds": len(times["plait"]),
             "ms": {lib: 1e3 * median([t[0] for t in ts]) for lib, ts in times.items()},
             "cpu": {lib: 1e3 * median([t[1] for t in ts]) for lib, ts in times.items()}}
 
@@ -175,17 +180,17 @@ def _measure(quick: bool, only: list[str] | None = None) -> list[dict]:
     warnings.filterwarnings("ignore")
     group = comm.world_group()
     rank = comm.get_rank(group)
-    warmup, rounds = (2, 6) if quick else (3, 16)
+    warmup, rounds, budget = (2, 6, 0.0) if quick else (3, 16, 6.0)
     tokens = hc.host_tokens(rank, hc.BATCH)
     out = []
     for name, wrap in _WRAPPERS.items():
         if only is None or name in only:
-            out.append(_row(name, partial(_wrapped_steps, wrap, tokens), group, warmup, rounds))
+            out.append(_row(name, partial(_wrapped_steps, wrap, tokens), group, warmup, rounds, budget))
     if only is None or "TP + SP" in only:
-        out.append(_row("TP + SP", partial(_tp_steps, hc.host_tokens(0, hc.BATCH)), group, warmup, rounds))
+        out.append(_row("TP + SP", partial(_tp_steps, hc.host_tokens(0, hc.BATCH)), group, warmup, rounds, budget))
     for name in PIPELINE:
         if only is None or f"PP {name}" in only:
-            out.append(_row(f"PP {name}", partial(_pipeline_steps, name), group, warmup, rounds))
+            out.append(_row(f"PP {name}", partial(_pipeline_steps, name), group, warmup, rounds, budget))
     return out
 
 
@@ -269,15 +274,17 @@ def run(quick: bool) -> None:
                       f"{t['plait']:.2f}", f"{t['torch']:.2f}", ratio(t["plait"], t["torch"]),
                       *((f"{u['plait']:.2f}", f"{u['torch']:.2f}", ratio(u["plait"], u["torch"])) if (u := r.get("cpu"))
                         else ("-", "-", "-")),
+                      str(r.get("rounds", "-")),
                       "yes" if c["plait"] <= c["torch"] and t["plait"] <= t["torch"] else "no"))
     print_table(f"Host cost per step: Llama dim 32, seq {hc.SEQ}, {LAYERS} layers, world {WORLD} "
                 f"(train rows: 4 or 8 ranks); load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end",
                 ("row", "plait calls", "torch calls", "calls plait/torch", "plait ms", "torch ms", "ms plait/torch",
-                 "plait CPU ms", "torch CPU ms", "CPU plait/torch",
+                 "plait CPU ms", "torch CPU ms", "CPU plait/torch", "steps timed",
                  "plait <= torch"), table,
                 notes="calls: Python function calls per step on rank 0 (sys.setprofile 'call' events), counted; "
                       "ms: slowest rank's wall time per step, median of alternating steps (train rows: rank 0's "
                       "median over steps 3..N of its own run); CPU ms: the training thread's CPU time per step, slowest rank, "
-                      "median (waiting and the neighbours' load excluded; not for train rows). Wall time on a shared machine measures the "
+                      "median (waiting and the neighbours' load excluded; not for train rows); steps timed: per library, over two "
+                      "builds (each library's model built first once). Wall time on a shared machine measures the "
                       "neighbours too; the calls do not depend on load.")
 
