@@ -47,6 +47,10 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
                    calibrated among the job's process count (calibrate.py: the wall a call adds
                    there, between compute bursts); otherwise latency * (g - 1) (Gloo's ring takes
                    g - 1 steps a call; latency measured at g = 2) and one bandwidth
+    comm_s(pp)   = the simulator's makespan with each stage-to-stage transfer delayed by one
+                   call's cost (comm_s(pp) as above over its calls) minus the makespan without:
+                   the transfers the schedule leaves on its critical path (1F1B's steady state
+                   waits on its neighbour each action; GPipe streams), not every call
     exposed      = calibrated at the job's process count and oversub > 1: all of comm_s (the
                    figures are the wall each call adds among ranks that fill every core: no core
                    is left to overlap it on); otherwise tp + pp + cp's ring (on the critical path:
@@ -222,6 +226,11 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
         host = over * (ops * hw.op_s + dt * hw.dtensor_op_s)
         return over * n * stage_flops_per_token(args, dims, stage, **kw, **acf) / hw.flop_rate + host, host
 
+    calls = calls_per_step(args, dims, batch_size=batch_size, global_rank=global_rank, **kw)
+    comm: dict[str, float] = {}
+    for axis in sorted(set(traffic) | set(calls)):
+        per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
+        comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
     if dims.pp == 1:
         mb, mb_host = microbatch(0, tokens)
         host = mb_host + opt_host
@@ -234,18 +243,21 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
         backward = 3 * fwd if ac_mode != "none" else 2 * fwd
         plan = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches,
                               stages_per_rank=dims.virtual_stages if dims.virtual_stages > 1 else None)
-        sim = simulate(plan, Costs(forward=fwd, backward=backward, weight=fwd))
+        costs = Costs(forward=fwd, backward=backward, weight=fwd)
+        sim = simulate(plan, costs)
         # ranks that outnumber the cores fill one another's bubbles: a rank's idle slots go to the
         # others' work, so the step is the busy time (stretched), unless the schedule's own
         # critical path at full speed is longer
         busy = sim.makespan * (1 - sim.bubble)
         compute, bubble = max(busy, sim.makespan / over) + opt_host, sim.bubble
         host = sum(h for _, h in per_stage) / len(per_stage) * m * len(stages) + opt_host
-    calls = calls_per_step(args, dims, batch_size=batch_size, global_rank=global_rank, **kw)
-    comm: dict[str, float] = {}
-    for axis in sorted(set(traffic) | set(calls)):
-        per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
-        comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
+        if calls.get("pp"):
+            # the stage-to-stage transfers cost what the schedule leaves on its critical path:
+            # the simulator again, each transfer delayed by one call's cost (its share of the
+            # axis' figure), against no delay. A schedule whose steady state waits on its
+            # neighbour every action (1F1B) exposes more of them than one that streams (GPipe)
+            delayed = simulate(plan, dataclasses.replace(costs, comm=comm["pp"] / calls["pp"]))
+            comm["pp"] = delayed.makespan - sim.makespan
     held = [("tp", tp_f), ("cp", cp_f), ("dp_shard", fsdp_f)] + [(axis, tp_f) for axis in held_dp]
     for axis, f in held:  # the probe's step held the axis' collectives:
         if f:  # their CPU and their waits are in compute

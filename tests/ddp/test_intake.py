@@ -11,7 +11,15 @@ from torch import nn
 
 from plait.ddp import DistributedDataParallel
 from plait.testing import distributed
-from tests.ddp.common import PER_RANK, assert_params_close, batch, loss_fn, make_optimizer, mine, world
+from tests.ddp.common import (
+    PER_RANK,
+    assert_params_close,
+    batch,
+    loss_fn,
+    make_optimizer,
+    mine,
+    world,
+)
 
 
 class Swapped(nn.Module):

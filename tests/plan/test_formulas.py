@@ -161,3 +161,24 @@ def test_one_rank_peaks_at_the_loss_backward():
     mem = memory_per_rank(args, dims, seq_len=32, batch_size=8, global_rank=0)
     tokens, vocab = 8 * 32, args.vocab_size
     assert mem.total == mem.params + mem.optimizer + mem.activations + 2 * tokens * vocab * 4
+
+
+@pytest.mark.parametrize("pp,m,exposed", [(2, 2, {"GPipe": 2, "1F1B": 2}), (4, 4, {"GPipe": 6, "1F1B": 10}),
+                                           (2, 8, {"GPipe": 2, "1F1B": 8})])
+def test_pipeline_transfers_cost_what_the_schedule_leaves_on_its_critical_path(pp, m, exposed):
+    """Each stage-to-stage transfer delays its consumer by one call's cost (the pp axis' figure over
+    its calls) inside the simulator; the axis is charged the makespan that adds: here, with a call
+    short against an action, `exposed` calls. GPipe streams its transfers where 1F1B's steady state
+    waits on its neighbour each action, so past 2 stages and 2 microbatches 1F1B exposes more."""
+    from plait.plan.traffic import calls_per_step
+
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    hw = Hardware(latency=1e-6, bandwidth=1e12, flop_rate=1e6)  # a call far shorter than an action
+    for schedule in ("GPipe", "1F1B"):
+        _, args, dims = _dims(pp, ["--parallel.dp_shard", "1", "--parallel.pp", str(pp), "--parallel.pp_schedule",
+                                   schedule, "--parallel.microbatches", str(m), "--model.n_layers", str(pp)])
+        traffic, calls = bytes_per_step(args, dims, **kw), calls_per_step(args, dims, **kw)
+        st = step_time(args, dims, traffic, hw, **kw)
+        per_call = traffic["pp"] / hw.bandwidth / calls["pp"] + hw.latency
+        assert st.comm_s["pp"] == pytest.approx(exposed[schedule] * per_call, rel=1e-6), schedule
+        assert exposed[schedule] < calls["pp"]  # not every call in full, as other axes are charged
