@@ -50,7 +50,9 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
     comm_s(pp)   = the simulator's makespan with each stage-to-stage transfer delayed by one
                    call's cost (comm_s(pp) as above over its calls) minus the makespan without:
                    the transfers the schedule leaves on its critical path (1F1B's steady state
-                   waits on its neighbour each action; GPipe streams), not every call
+                   waits on its neighbour each action; GPipe streams), not every call. Calibrated
+                   at the job's process count and oversub > 1: every call, as above (a rank's wait
+                   runs another's work; each call's figure is the wall it adds to a busy core)
     exposed      = calibrated at the job's process count and oversub > 1: all of comm_s (the
                    figures are the wall each call adds among ranks that fill every core: no core
                    is left to overlap it on); otherwise tp + pp + cp's ring (on the critical path:
@@ -226,6 +228,7 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
         host = over * (ops * hw.op_s + dt * hw.dtensor_op_s)
         return over * n * stage_flops_per_token(args, dims, stage, **kw, **acf) / hw.flop_rate + host, host
 
+    crowded = hw.in_situ(dims.world_size) and over > 1  # ranks fill every core; figures measured among them
     calls = calls_per_step(args, dims, batch_size=batch_size, global_rank=global_rank, **kw)
     comm: dict[str, float] = {}
     for axis in sorted(set(traffic) | set(calls)):
@@ -251,18 +254,21 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
         busy = sim.makespan * (1 - sim.bubble)
         compute, bubble = max(busy, sim.makespan / over) + opt_host, sim.bubble
         host = sum(h for _, h in per_stage) / len(per_stage) * m * len(stages) + opt_host
-        if calls.get("pp"):
+        if calls.get("pp") and not crowded:
             # the stage-to-stage transfers cost what the schedule leaves on its critical path:
             # the simulator again, each transfer delayed by one call's cost (its share of the
             # axis' figure), against no delay. A schedule whose steady state waits on its
-            # neighbour every action (1F1B) exposes more of them than one that streams (GPipe)
+            # neighbour every action (1F1B) exposes more of them than one that streams (GPipe).
+            # Not where ranks outnumber the cores and the figures were measured among them: there
+            # a rank's wait runs another's work, as its bubble does, and each call's figure is
+            # the wall it adds to a core that is never idle, so every call is charged
             delayed = simulate(plan, dataclasses.replace(costs, comm=comm["pp"] / calls["pp"]))
             comm["pp"] = delayed.makespan - sim.makespan
     held = [("tp", tp_f), ("cp", cp_f), ("dp_shard", fsdp_f)] + [(axis, tp_f) for axis in held_dp]
     for axis, f in held:  # the probe's step held the axis' collectives:
         if f:  # their CPU and their waits are in compute
             comm.pop(axis, None)
-    if hw.in_situ(dims.world_size) and over > 1:
+    if crowded:
         # measured where it is paid: each call's figure is the wall it adds among these ranks on
         # these cores (its own CPU, time-shared, and the waits for its group); no core is left to
         # overlap it with, so all of it is exposed

@@ -182,3 +182,19 @@ def test_pipeline_transfers_cost_what_the_schedule_leaves_on_its_critical_path(p
         per_call = traffic["pp"] / hw.bandwidth / calls["pp"] + hw.latency
         assert st.comm_s["pp"] == pytest.approx(exposed[schedule] * per_call, rel=1e-6), schedule
         assert exposed[schedule] < calls["pp"]  # not every call in full, as other axes are charged
+
+
+def test_pipeline_transfers_measured_among_ranks_that_outnumber_the_cores_are_charged_every_call():
+    """8 ranks on 2 cores, figures calibrated among 8 processes: a rank's wait runs another's work,
+    so no schedule hides a call; each costs the wall it was measured to add, as on other axes."""
+    from plait.plan.traffic import calls_per_step
+
+    kw = dict(seq_len=32, batch_size=8, global_rank=0)
+    hw = Hardware(cores=2, nproc=8, collectives=((2, 1e-3, 3e8), (8, 4e-3, 1e8)))
+    for schedule in ("GPipe", "1F1B"):
+        _, args, dims = _dims(8, ["--parallel.dp_shard", "2", "--parallel.pp", "4", "--parallel.pp_schedule",
+                                  schedule, "--parallel.microbatches", "4", "--model.n_layers", "4"])
+        traffic, calls = bytes_per_step(args, dims, **kw), calls_per_step(args, dims, **kw)
+        st = step_time(args, dims, traffic, hw, **kw)
+        assert st.comm_s["pp"] == pytest.approx(traffic["pp"] / 3e8 + calls["pp"] * 1e-3), schedule
+        assert st.exposed_s == pytest.approx(sum(st.comm_s.values()))
