@@ -12,7 +12,7 @@ Gloo's cost per call among N processes and a TP rank's cost, cache it per N.
     there); at a rank's microbatch shape (b, s, d) -> flop_rate: its FLOPs (timing.py's count)
     over its time less ops * op_s; the same block under plait's checkpoint_wrapper -> ac_factor:
     its time over the plain block's (the forward again and the checkpoint's own work)
-    -> Hardware(nproc=N, collectives=((g, s per call, bytes/s), ...), tp_factors=((g, sp,
+    -> Hardware(nproc=N, collectives=((g, s per call, bytes/s), ...), p2p, tp_factors=((g, sp,
        factor), ...), tp_ddp_factors and tp_fsdp_factors (the same, R x T and FSDP x T),
        cp_factors=((c, factor), ...), fsdp_factors=((g, factor), ...),
        contention) -> JSON at $PLAIT_CACHE_DIR or ~/.cache/plait/plan-calibration.json,
@@ -152,9 +152,10 @@ def calibrate(args, *, batch: int, seq_len: int, nproc: int, refresh: bool = Tru
     op_s, rate, ac_factor = block_costs(args, batch=max(1, batch), seq_len=seq_len,
                                         budget_s=max(1.0, min(DEADLINE_S / 5, left - 2)))
     first = table[min(table)] if table else (Hardware.latency, Hardware.bandwidth)
+    p2p = factors.pop("p2p", 0.0)
     hw = Hardware(flop_rate=rate, bandwidth=first[1], latency=first[0], op_s=op_s,
                   dtensor_op_s=dtensor_op_s or Hardware.dtensor_op_s, nproc=nproc, ac_factor=ac_factor,
-                  collectives=tuple((g, c, b) for g, (c, b) in sorted(table.items())),
+                  collectives=tuple((g, c, b) for g, (c, b) in sorted(table.items())), p2p=p2p,
                   tp_factors=_tp_factors(factors, "tp:"), tp_ddp_factors=_tp_factors(factors, "tpddp:"),
                   tp_fsdp_factors=_tp_factors(factors, "tpfsdp:"),
                   cp_factors=_degree_factors(factors, "cp:"), fsdp_factors=_degree_factors(factors, "fsdp:"),

@@ -4,7 +4,7 @@ size, and the sharded models' measured factors, all at the process count they we
     defaults (no --calibrate): 5e10 FLOP/s per rank, 8 us per op, 70 us per DTensor op (plait's
       Python dispatch; measured on this 2-core host, loaded), Gloo 1e9 B/s and 50 us per call,
       overlap 0.5
-    calibrate.py -> Hardware(nproc=N, collectives, tp_factors, tp_ddp_factors, tp_fsdp_factors,
+    calibrate.py -> Hardware(nproc=N, collectives, p2p, tp_factors, tp_ddp_factors, tp_fsdp_factors,
       cp_factors, fsdp_factors, contention) -> timing.step_time; a figure measured at another process count
       than the job's is not used (in_situ)
 """
@@ -27,6 +27,7 @@ class Hardware:
     cores: int = 0  # cores the ranks share (0: one each, no oversubscription)
     nproc: int = 0  # the process count `collectives` was measured at (0: none measured)
     collectives: tuple[tuple[int, float, float], ...] = ()  # (group size, s per call, bytes/s per rank) at nproc
+    p2p: float = 0.0  # s a stage-to-stage send or receive adds at nproc (probe.py; 0: not measured)
     ac_factor: float = 0.0  # a checkpointed block's time over a plain one's (0: not measured; FLOPs 8/6, ops AC_OPS)
     tp_factors: tuple[tuple[int, bool, float], ...] = ()  # (tp, sequence parallel, factor) at nproc (probe.py)
     tp_ddp_factors: tuple[tuple[int, bool, float], ...] = ()  # the same under replicate over nproc / tp (R x T)
@@ -53,6 +54,12 @@ class Hardware:
                     return call, bw
             return self.collectives[-1][1:]
         return self.latency * max(1, group - 1), self.bandwidth
+
+    def transfer(self, world: int) -> tuple[float, float]:
+        """(seconds per call, bytes/s) of a pipeline's send or receive in a `world`-rank job: the
+        probe's p2p figure at that process count, else a 2-rank collective's."""
+        call, bandwidth = self.collective(2, world)
+        return (self.p2p if self.p2p and self.in_situ(world) else call), bandwidth
 
     def tp_factor(self, tp: int, sequence_parallel: bool, world: int, *, wrapper: str = "") -> float:
         """A TP rank's wall per step over the plain model's CPU at its tokens, measured among

@@ -11,6 +11,9 @@ a tensor-parallel model, measured among N processes as a job of N ranks runs the
           by the ranks sharing a core, and the waits for its group's ranks to be scheduled
         bandwidth (bytes/s per rank), per g: a 1 MiB all-reduce's ring bytes per rank,
           2(g-1)/g * S, over the wall it adds beyond the 4-byte call
+        p2p (s), the wall a stage-to-stage send or receive adds: pairs of ranks, each exchanging a
+          4-byte tensor both ways between bursts (one batch_isend_irecv per transfer, as the
+          pipeline runtime posts them), all pairs at once; half the wall a round adds
       dtensor_op_s: the CPU (thread time, not wall) of an add on a replicated plait DTensor over
         the N-rank mesh: plait's dispatch alone
       tp factor, per tensor-parallel degree g a layout can use and sequence parallel on/off: the
@@ -187,25 +190,37 @@ def _rank(rank: int, nproc: int, store: str, out: str, repeats: int, tp: tuple |
     a, w = torch.randn(*BURST[:2]), torch.randn(*BURST[1:])
     small, big = a.new_zeros(1), a.new_zeros(BIG)  # 4 bytes, 1 MiB
 
-    def loop(group, tensor) -> float:
+    def loop(call) -> float:
         comm.barrier(group=world)
         t0 = time.perf_counter()
         for _ in range(repeats):
             for _ in range(BURSTS_PER_CALL):
                 a @ w
-            if group is not None:
-                comm.all_reduce(tensor, group=group)
+            if call is not None:
+                call()
         comm.barrier(group=world)  # to the last rank's end, as _together
         return (time.perf_counter() - t0) / repeats
 
-    variants = {"bursts": (None, None), **{f"small{g}": (groups[g], small) for g in sizes},
-                **{f"big{g}": (groups[g], big) for g in sizes}}
-    for group, tensor in variants.values():  # a group's first all-reduce sets Gloo up: 45 ms a call
-        if group is not None:  # at 8 processes, 6 ms after (g8 read 10 ms in a mean over rounds)
-            comm.all_reduce(tensor, group=group)
+    partner, inbox = rank ^ 1, small.clone()  # pairs (0, 1), (2, 3), ...: a rank past the last pair only computes
+
+    def hop() -> None:
+        """A stage-to-stage transfer each way, as the pipeline runtime posts them (one batch per
+        transfer): the even rank sends then receives, its partner the other way round."""
+        if partner >= nproc:
+            return
+        send, recv = [comm.P2POp("send", small, partner, world)], [comm.P2POp("recv", inbox, partner, world)]
+        for ops in (send, recv) if rank % 2 == 0 else (recv, send):
+            for handle in comm.batch_isend_irecv(ops):
+                handle.wait()
+
+    variants = {"bursts": None, **{f"small{g}": functools.partial(comm.all_reduce, small, group=groups[g]) for g in sizes},
+                **{f"big{g}": functools.partial(comm.all_reduce, big, group=groups[g]) for g in sizes}, "p2p": hop}
+    for call in variants.values():  # a group's first all-reduce sets Gloo up: 45 ms a call
+        if call is not None:  # at 8 processes, 6 ms after (g8 read 10 ms in a mean over rounds)
+            call()
     rounds = {key: [] for key in variants}  # each variant in every round: a change in load falls on all alike
-    for key, (group, tensor) in [kv for _ in range(ROUNDS) for kv in variants.items()]:
-        rounds[key].append(loop(group, tensor))
+    for key, call in [kv for _ in range(ROUNDS) for kv in variants.items()]:
+        rounds[key].append(loop(call))
     found = {key: statistics.median(times) for key, times in rounds.items()}
     from plait.device_mesh import init_device_mesh
     from plait.tensor import Replicate, distribute_tensor
@@ -226,8 +241,9 @@ def _rank(rank: int, nproc: int, store: str, out: str, repeats: int, tp: tuple |
 def collective_costs(nproc: int, *, budget_s: float = 15.0, repeats: int = 10, tp: tuple | None = None
                      ) -> tuple[dict[int, tuple[float, float]], float, dict[str, float], float]:
     """({group size: (seconds per call, bytes/s per rank)} among `nproc` processes on this host,
-    each rank computing between calls; host seconds of one plait DTensor op; with `tp` = (args,
-    global batch over N, sequence length), {"tp:g,sp" or "cp:c": factor}; the contention factor), from
+    each rank computing between calls; host seconds of one plait DTensor op; {"p2p": seconds a
+    stage-to-stage send or receive adds} and, with `tp` = (args, global batch over N, sequence
+    length), {"tp:g,sp" or "cp:c": factor}; the contention factor), from
     `nproc` processes forked
     from this one (torch already imported: no start-up to wait for). The figures are the mean
     over ranks; a call's cost is its extra wall time over the bursts alone, so it holds the
@@ -264,6 +280,7 @@ def collective_costs(nproc: int, *, budget_s: float = 15.0, repeats: int = 10, t
         moving = max(mean(f"big{g}") - mean(f"small{g}"), 0.1 * (mean(f"big{g}") - mean("bursts")), 1e-6)
         table[g] = (call, sent / moving)
     factors = {k: statistics.mean(f["sharded"][k] for f in found) for k in found[0].get("sharded", {})}
+    factors["p2p"] = max(0.0, mean("p2p") - mean("bursts")) / 2  # a send or a receive: two calls a round
     contention = 1.0
     if tp is not None:  # the plain model's step among the N ranks against this process's alone
         from plait.plan.hardware import host_cores

@@ -46,7 +46,9 @@ ranks sharing each core, plus communication per call and per byte and the pipeli
     comm_s(ax)   = bytes(ax) / bandwidth(g) + calls(ax) * per_call(g)    g the axis' group size:
                    calibrated among the job's process count (calibrate.py: the wall a call adds
                    there, between compute bursts); otherwise latency * (g - 1) (Gloo's ring takes
-                   g - 1 steps a call; latency measured at g = 2) and one bandwidth
+                   g - 1 steps a call; latency measured at g = 2) and one bandwidth; on pp (the
+                   stage-to-stage sends and receives), each call at the probe's p2p figure
+                   where calibrated at the job's process count
     comm_s(pp)   = the simulator's makespan with each stage-to-stage transfer delayed by one
                    call's cost (comm_s(pp) as above over its calls) minus the makespan without:
                    the transfers the schedule leaves on its critical path (1F1B's steady state
@@ -232,7 +234,8 @@ def step_time(args, dims, traffic: dict[str, int], hw: Hardware, *, seq_len: int
     calls = calls_per_step(args, dims, batch_size=batch_size, global_rank=global_rank, **kw)
     comm: dict[str, float] = {}
     for axis in sorted(set(traffic) | set(calls)):
-        per_call, bandwidth = hw.collective(_group_size(dims, axis), dims.world_size)
+        per_call, bandwidth = (hw.transfer(dims.world_size) if axis == "pp"
+                               else hw.collective(_group_size(dims, axis), dims.world_size))
         comm[axis] = traffic.get(axis, 0) / bandwidth + calls.get(axis, 0) * per_call
     if dims.pp == 1:
         mb, mb_host = microbatch(0, tokens)

@@ -39,7 +39,8 @@ def test_probe_reports_a_cost_per_call_and_a_bandwidth_per_group_size_and_tp_fac
                                                  + [f"{key}:{g},{sp}" for key in ("tpddp", "tpfsdp")
                                                     for g in degrees if g < 4 for sp in (0, 1)]
                                                  + [f"cp:{c}" for c in probe.cp_degrees(32, 4)]
-                                                 + [f"fsdp:{g}" for g in (2, 4)])
+                                                 + [f"fsdp:{g}" for g in (2, 4)] + ["p2p"])
+    assert 0.0 <= factors.pop("p2p") < 1.0  # a send or a receive: costs something and under a second
     assert all(math.isfinite(f) and f > 0 for f in factors.values()), factors
 
 
@@ -64,7 +65,7 @@ def fake_probe(monkeypatch, tmp_path):
     def costs(nproc, **kw):
         runs.append(nproc)
         return {g: (1e-3 * g, 1e8 / g) for g in probe.group_sizes(nproc)}, 2e-5, {"tp:2,1": 3.0, "tp:2,0": 2.5, "tpddp:2,1": 3.5, "tpfsdp:2,0": 3.25,
-                                                                            "cp:2": 1.5, "fsdp:4": 1.75}, 1.25
+                                                                            "cp:2": 1.5, "fsdp:4": 1.75, "p2p": 7e-4}, 1.25
 
     monkeypatch.setattr(cal, "collective_costs", costs)
     monkeypatch.setattr(cal, "block_costs", lambda args, **kw: (5e-6, 4e10, 1.5))
@@ -81,7 +82,7 @@ def test_calibration_is_cached_per_process_count(fake_probe, tmp_path):
     assert hw8.tp_ddp_factors == ((2, True, 3.5),) and cal.cached(8).tp_ddp_factors == hw8.tp_ddp_factors
     assert hw8.tp_fsdp_factors == ((2, False, 3.25),) and cal.cached(8).tp_fsdp_factors == hw8.tp_fsdp_factors
     assert hw8.fsdp_factors == ((4, 1.75),) and cal.cached(8).fsdp_factors == hw8.fsdp_factors
-    assert hw8.contention == 1.25
+    assert hw8.contention == 1.25 and hw8.p2p == 7e-4 and cal.cached(8).p2p == 7e-4
     assert cal.cached(8).tp_factors == hw8.tp_factors and cal.cached(8).contention == 1.25
     hw4 = cal.calibrate(args, batch=2, seq_len=32, nproc=4)
     assert fake_probe == [8, 4]

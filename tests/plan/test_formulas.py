@@ -186,7 +186,10 @@ def test_pipeline_transfers_cost_what_the_schedule_leaves_on_its_critical_path(p
 
 def test_pipeline_transfers_measured_among_ranks_that_outnumber_the_cores_are_charged_every_call():
     """8 ranks on 2 cores, figures calibrated among 8 processes: a rank's wait runs another's work,
-    so no schedule hides a call; each costs the wall it was measured to add, as on other axes."""
+    so no schedule hides a call; each costs the wall it was measured to add, as on other axes: the
+    probe's p2p figure for a send or a receive, or without one a 2-rank collective's."""
+    import dataclasses
+
     from plait.plan.traffic import calls_per_step
 
     kw = dict(seq_len=32, batch_size=8, global_rank=0)
@@ -198,3 +201,8 @@ def test_pipeline_transfers_measured_among_ranks_that_outnumber_the_cores_are_ch
         st = step_time(args, dims, traffic, hw, **kw)
         assert st.comm_s["pp"] == pytest.approx(traffic["pp"] / 3e8 + calls["pp"] * 1e-3), schedule
         assert st.exposed_s == pytest.approx(sum(st.comm_s.values()))
+        probed = step_time(args, dims, traffic, dataclasses.replace(hw, p2p=4e-4), **kw)
+        assert probed.comm_s["pp"] == pytest.approx(traffic["pp"] / 3e8 + calls["pp"] * 4e-4), schedule
+        assert probed.step_s == pytest.approx(st.step_s - calls["pp"] * 6e-4)
+        elsewhere = step_time(args, dims, traffic, dataclasses.replace(hw, p2p=4e-4, nproc=4), **kw)
+        assert elsewhere.comm_s["pp"] != probed.comm_s["pp"]  # measured among 4 processes: not this job's
