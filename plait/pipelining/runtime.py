@@ -59,7 +59,7 @@ _SEND_F, _RECV_F, _SEND_B, _RECV_B = (
     ActionType.RECV_B,
 )
 _FORWARD_KINDS = frozenset({_F, _SEND_F, _RECV_F})
-EARLY_RECVS = 1  # on Gloo, each receive is posted this many computes before its place
+EARLY_RECVS = 1  # on Gloo, each receive is posted this many of the schedule's steps before its place
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -96,7 +96,8 @@ class PipelineRuntime:
     """Executes `schedule` (compute-only or lowered, covering every stage) for `stages`,
     the stages this rank owns. One instance per schedule object."""
 
-    def __init__(self, stages: Sequence[PipelineStage], schedule: Schedule, group: ProcessGroup):
+    def __init__(self, stages: Sequence[PipelineStage], schedule: Schedule, group: ProcessGroup, *,
+                 computes_per_step: int = 1):
         self.stages = {s.stage_index: s for s in stages}
         self.schedule = schedule
         self.group = group
@@ -105,9 +106,13 @@ class PipelineRuntime:
         self._plans: dict[bool, Schedule] = {}
         self._programs: dict[bool, Program] = {}
         self._shapes_known = False
-        # Gloo matches each direction of a pair on its own: receives can be posted a compute
-        # early (program.py says why, and why not on NCCL); read when a program is compiled
-        self.early_recvs = EARLY_RECVS if comm.group_info(group).backend == "gloo" else 0
+        # Gloo matches each direction of a pair on its own: receives can be posted a step of
+        # the schedule early (program.py says why, and why not on NCCL): `computes_per_step`
+        # computes, 2 where a step is an overlapped forward and backward (DualPipeV: with 1,
+        # half a step early, its host row read 1.00-1.03x torch's wall; with 2, 0.96-0.99x);
+        # read when a program is compiled
+        gloo = comm.group_info(group).backend == "gloo"
+        self.early_recvs = EARLY_RECVS * computes_per_step if gloo else 0
         self.device = next(iter(self.stages.values())).device  # every stage of a rank is on one device
         self.p2p = streams_api.side_stream(self.device, "pipelining.p2p")  # None on CPU
 

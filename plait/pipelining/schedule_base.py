@@ -24,6 +24,8 @@ from .stage import PipelineStage
 class _PipelineSchedule:
     """What every schedule shares: microbatching, the loss, grad scaling, `step` and `eval`."""
 
+    _computes_per_step = 1  # computes one step of the schedule runs (the runtime's early receives)
+
     def __init__(
         self,
         stages: Sequence[PipelineStage],
@@ -88,7 +90,8 @@ class _PipelineSchedule:
         for s in self._stages:
             s.stage_index_to_group_rank = schedule.stage_to_rank
         self.schedule = schedule
-        self._runtime = PipelineRuntime(self._stages, schedule, self.group)
+        self._runtime = PipelineRuntime(self._stages, schedule, self.group,
+                                        computes_per_step=self._computes_per_step)
         self._runtime.plan(self._has_backward)  # check before the first step
 
     @property

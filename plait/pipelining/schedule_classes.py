@@ -160,6 +160,7 @@ class ScheduleDualPipeV(PipelineScheduleMulti):
     only at the consumer, and has no deferred mode, so True is refused."""
 
     _name = "DualPipeV"
+    _computes_per_step = 2  # a forward and a backward, torch's one OVERLAP_F_B action
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ from plait import comm
 from plait.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
     build_schedule,
@@ -103,7 +104,7 @@ def _build(name: str, rank: int, seed: int = 0):
     modules = {s: nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for s in range(num_stages)}
     stages = [PipelineStage(copy.deepcopy(modules[s]), s, num_stages, "cpu") for s in owned]
     cls = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-           "ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
+           "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}[name]
     schedule = cls(stages[0] if len(stages) == 1 else stages, 4, loss_fn=F.mse_loss)
     return schedule, owned, num_stages
 
@@ -124,20 +125,23 @@ def _step(schedule, owned, num_stages, x, y):
 
 
 @distributed([2])
-@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"])
 def test_early_receives_compute_what_late_receives_compute_bit_for_bit(name):
+    """The default on Gloo: a receive posted one step of the schedule early; a step of DualPipeV
+    is a forward and a backward (torch's OVERLAP_F_B), so two computes there."""
     rank, _ = _rank()
     torch.manual_seed(1)
     x, y = torch.randn(8, 6), torch.randn(8, 6)
     results = {}
-    for early in (0, 1):
+    default = 2 if name == "DualPipeV" else 1
+    for early in (0, default):
         schedule, owned, num_stages = _build(name, rank)
-        assert schedule._runtime.early_recvs == 1  # the default on Gloo
+        assert schedule._runtime.early_recvs == default
         schedule._runtime.early_recvs = early  # read when the program is compiled
         results[early] = [_step(schedule, owned, num_stages, x, y) for _ in range(2)]
         posts = _posts(schedule._runtime.program(True))
         assert any(slot >= 0 for _, _, slot in posts)
-    for (l0, g0), (l1, g1) in zip(results[0], results[1]):
+    for (l0, g0), (l1, g1) in zip(results[0], results[default]):
         assert len(l0) == len(l1) and all(torch.equal(a, b) for a, b in zip(l0, l1))
         assert len(g0) == len(g1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
 
