@@ -30,11 +30,11 @@ import torch  # noqa: F401 - the import every child shares
 import torch.distributed  # noqa: F401
 
 
-def _child(request: dict) -> None:
-    """Become the requested process; never returns to the zygote's loop."""
+def _child(request: dict, log: int) -> None:
+    """Become the requested process, its output to `log` (a descriptor); never returns to the
+    zygote's loop."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(null)
@@ -75,9 +75,12 @@ def main() -> None:
         if not line:  # the test process ended: its children's exit codes no longer matter
             return
         request = json.loads(line)
+        # the log exists before the reply, as Popen's would: a test may read it at once
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         pid = os.fork()
         if pid == 0:
-            _child(request)
+            _child(request, log)
+        os.close(log)
         statuses[pid] = request["status"]
         print(json.dumps({"pid": pid}), flush=True)
 
