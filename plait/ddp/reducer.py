@@ -29,7 +29,6 @@ got no gradient without find_unused_parameters still issues every bucket's colle
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -38,14 +37,13 @@ from torch.distributed import ProcessGroup
 from plait import comm
 from plait.ddp.buckets import assign_buckets, build_buckets, move_grad_views
 from plait.ddp.graph import reachable_params, unused_message
-from plait.ddp.intake import GradientIntake, Phase, _name
+from plait.ddp.intake import _GRAD, GradientIntake, Phase, _name
 from plait.ddp.shards import as_grad, local
 from plait.tensor import DTensor
 
 __all__ = ["Phase", "Reducer"]
 
 _NONE: frozenset[int] = frozenset()  # no parameter skipped: the common end of a backward
-_GRAD = operator.attrgetter("grad")
 _PLAIN = {torch.Tensor}  # the types of a bucket's .grads that one foreach copy may write (none None)
 
 
