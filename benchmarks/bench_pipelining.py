@@ -165,8 +165,9 @@ def _step_times(names: list[str], reps: int) -> list[tuple]:
         tokens = torch.randint(0, 256, (4 * MICROBATCHES, 32))
         y = torch.roll(tokens, -1, dims=1)
         t = {"plait": [], "torch": []}
+        pair = [("plait", ours), ("torch", theirs)]
         for rep in range(reps + 1):
-            for impl, schedule in (("plait", ours), ("torch", theirs)):
+            for impl, schedule in pair if rep % 2 else pair[::-1]:  # neither always runs first
                 dist.barrier()
                 start = time.perf_counter()
                 _run_step(schedule, owned, num_stages, tokens, y)
@@ -344,10 +345,13 @@ def run(quick: bool) -> None:
 
     names = list(SCHEDULES)
     reps = 3 if quick else 5
+    # a step here is ~50-100 ms: 5 of them left a row's ratio to luck (InterleavedZeroBubble at
+    # world 2 read 1.12 once, 0.87-0.95 in three runs of 15), so the step-time table takes more
+    step_reps = 3 if quick else 15
     unit = 0.02 if quick else 0.04
     time_rows, bubble_rows = [], []
     for world in (2, 4):
-        timed = run_distributed(_step_times, names, reps, world_size=world, timeout=1800)[0]
+        timed = run_distributed(_step_times, names, step_reps, world_size=world, timeout=1800)[0]
         for name, stages, ours, theirs in timed:
             time_rows.append(
                 (
@@ -408,7 +412,7 @@ def run(quick: bool) -> None:
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
     print_table(
         f"pipeline step time, plait vs torch.distributed.pipelining (Gloo, {MICROBATCHES} "
-        f"microbatches, 8-layer transformer dim 64, median of {reps})",
+        f"microbatches, 8-layer transformer dim 64, median of {step_reps} steps, alternating which runs first)",
         ("world", "schedule", "stages", "plait ms", "torch ms", "plait/torch"),
         time_rows,
         notes=f"plait/torch over all rows (geometric mean): {geomean:.2f}. "
