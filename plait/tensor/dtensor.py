@@ -43,6 +43,8 @@ class DTensor(torch.Tensor):
         r = _make_wrapper(cls, spec.shape, spec.stride, None, None, spec.dtype, _STRIDED,
                           local_tensor.device, False, requires_grad)
         r._local, r._pending, r._spec = local_tensor, None, spec
+        if local_tensor.is_conj() or local_tensor.is_neg():
+            _carry_math_bits(r, local_tensor)
         return r
 
     # __torch_dispatch__ is plait.tensor.dispatch.torch_dispatch, set on the class when that
@@ -240,7 +242,23 @@ def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     r = _make_wrapper(DTensor, spec.shape, spec.stride, None, None, spec.dtype, _STRIDED,
                       local.device, False, False)
     r._local, r._pending, r._spec = local, None, spec
+    if local.is_conj() or local.is_neg():
+        _carry_math_bits(r, local)
     return r
+
+
+def _carry_math_bits(r: DTensor, local: torch.Tensor) -> None:
+    """Give the wrapper its local's lazy conjugate and negative bits, as torch's DTensor does.
+
+    Inside __torch_dispatch__ the Conjugate and Negative dispatch keys are excluded, so a
+    local op would read a conj-bit local's raw values (`g * f.conj()` computed `g * f`).
+    With the bit on the wrapper, torch's own math-bit fallback resolves it at the wrapper,
+    before dispatch, for every op that is not conj-aware (a clone of the DTensor, which
+    copy_ materialises), and conj-aware ops (views, mm) see the bit on both, as in eager."""
+    if local.is_conj():
+        torch._C._set_conj(r, True)
+    if local.is_neg():
+        torch._C._set_neg(r, True)
 
 
 _NO_KWARGS: dict = {}

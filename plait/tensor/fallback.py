@@ -1,17 +1,27 @@
 """Ops without a sharding rule, and the meta run that gives every op its global shapes.
 
-    fallback:  every DTensor arg -> Replicate (collectives) -> op on full local tensors
+    fallback:  every DTensor arg not yet Replicate -> Replicate (collectives)
+               -> op on full local tensors (a seeded random op from one generator state)
                -> outputs wrapped as Replicate; args written in place get their piece back
 
-Correct for any op whose result does not depend on which rank runs it, and slow: it
-warns once per op, naming it, so a missing rule shows up in the log rather than in a
-profile. `meta_outputs` runs the op on meta tensors of the global shapes: the output
-shapes, strides and dtypes a rule's placements are attached to.
+Right for any op whose result does not depend on which rank runs it, and slow: a full
+gather of every sharded or partial argument on every rank. What happens is the policy's
+(`PLAIT_DTENSOR_FALLBACK`, or `plait.tensor.debug.fallback_policy`):
+
+    warn    (default) a warning once per op, naming it, the placements and the bytes gathered
+    error   NotImplementedError naming the op and the placements: a test asserts there is none
+    silent  neither
+
+and `plait.tensor.debug.fallback_counts()` counts every call per op, whatever the policy.
+`meta_outputs` runs the op on meta tensors of the global shapes: the output shapes,
+strides and dtypes a rule's placements are attached to.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections import Counter
 
 import torch
 
@@ -19,7 +29,21 @@ from plait.tensor import redistribute as redist
 from plait.tensor.placement import Replicate
 from plait.tensor.spec import DTensorSpec
 
+POLICIES = ("warn", "error", "silent")
+_policy = os.environ.get("PLAIT_DTENSOR_FALLBACK", "warn")
+if _policy not in POLICIES:
+    raise ValueError(f"PLAIT_DTENSOR_FALLBACK={_policy!r}: expected one of {', '.join(POLICIES)}")
 _warned: set = set()
+counts: Counter = Counter()  # op name -> calls through the fallback (plait.tensor.debug reads it)
+
+
+def set_policy(policy: str) -> str:
+    """Set what a fallback does (see the module note); returns the previous policy."""
+    global _policy
+    if policy not in POLICIES:
+        raise ValueError(f"fallback policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    previous, _policy = _policy, policy
+    return previous
 
 
 def meta_outputs(op, args, kwargs) -> list | None:
@@ -61,7 +85,7 @@ def flatten(out) -> list:
 
 
 class FallbackPlan:
-    __slots__ = ("op", "mesh", "steps", "positions", "written", "returns", "specs")
+    __slots__ = ("op", "mesh", "steps", "positions", "written", "returns", "specs", "seeded")
     fast = None  # never dispatch's fast path
     fast_inplace = None
 
@@ -70,21 +94,41 @@ class FallbackPlan:
         replicate = tuple(Replicate() for _ in range(mesh.ndim))
         self.steps = tuple(redist.plan_for(s, replicate) or None for s in specs)
         self.positions, self.written, self.returns = positions, written, returns
+        self.seeded = torch.Tag.nondeterministic_seeded in op.tags
+
+    def _report(self, name: str) -> None:
+        moved = [(str(list(s.placements)), s.nbytes) for s, st in zip(self.specs, self.steps) if st]
+        placements = ", ".join(str(list(s.placements)) for s in self.specs)
+        if _policy == "error":
+            raise NotImplementedError(
+                f"plait.tensor has no sharding rule for {name} (DTensor args placed {placements}) "
+                "and the fallback is off (PLAIT_DTENSOR_FALLBACK=error): add a rule with "
+                "plait.tensor.register_sharding, or redistribute the args to Replicate first")
+        _warned.add(self.op)
+        cost = sum(n for _, n in moved)
+        warnings.warn(
+            f"plait.tensor has no sharding rule for {name}: args placed {placements}; "
+            f"gathering {len(moved)} of them ({cost:,} bytes each call) and running it on full "
+            "tensors on every rank (correct, but slow; add a rule with "
+            "plait.tensor.register_sharding; PLAIT_DTENSOR_FALLBACK=error makes this an error)",
+            stacklevel=4)
 
     def run(self, args, kwargs, dts):
         from plait.tensor.dispatch import _substitute, _wrap_seq
         from plait.tensor.dtensor import wrap
 
-        if self.op not in _warned:
-            _warned.add(self.op)
-            warnings.warn(
-                f"plait.tensor has no sharding rule for {self.op}: replicating its DTensor args and "
-                "running it on full tensors (correct, but slow; add a rule with "
-                "plait.tensor.register_sharding)", stacklevel=4)
+        name = str(self.op)
+        counts[name] += 1
+        if _policy != "silent" and (_policy == "error" or self.op not in _warned):
+            self._report(name)
         mesh = self.mesh
         locals_ = [d._local_tensor if s is None else redist.run(d._local_tensor, s, mesh)
                    for d, s in zip(dts, self.steps)]
         la, lk = _substitute(args, kwargs, self.positions, locals_)
+        if self.seeded and lk.get("generator") is None:
+            # every rank draws the same values (a Replicate result), as one process would
+            from plait.tensor.ops.random_ops import sync_generator
+            sync_generator(mesh, locals_[0].device)
         out = self.op(*la, **lk)
         for k in self.written:  # give each written arg its piece of the new value
             if self.steps[k] is not None:
@@ -122,4 +166,4 @@ def plan(op, mesh, specs, positions, written, returns) -> FallbackPlan:
     return FallbackPlan(op, mesh, specs, positions, written, returns)
 
 
-__all__ = ["FallbackPlan", "flatten", "meta_outputs", "plan"]
+__all__ = ["POLICIES", "FallbackPlan", "counts", "flatten", "meta_outputs", "plan", "set_policy"]

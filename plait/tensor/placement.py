@@ -231,10 +231,27 @@ def shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> d
             else:
                 waiting[p.dim] = [axis, p.split_factor]
     for dim, (axis, left) in waiting.items():
-        raise ValueError(f"{placements[axis]!r} on mesh axis {axis} of {list(placements)} needs later mesh axes "
-                         f"that Shard({dim}) over {left} ranks in all (e.g. (_StridedShard(0, sf=tp), "
-                         "Shard(0)) on (dp, tp)); torch's interleaved layout without them is not supported")
+        if left == placements[axis].split_factor and len(order.get(dim, ())) == 0:
+            order[dim] = [axis]  # interleaved: the only cut of its dim (see interleaved())
+            continue
+        raise ValueError(f"{placements[axis]!r} on mesh axis {axis} of {list(placements)} waits for later "
+                         f"mesh axes to Shard({dim}) into {left} more pieces; a dim cut both by other "
+                         "axes and by an interleaved _StridedShard is not supported")
     return order
+
+
+def interleaved(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> dict[int, int]:
+    """Axis -> split factor of each _StridedShard that no other axis cuts its dim for:
+    torch's interleaved layout, dim d seen as (split_factor, block), each block chunked
+    over the axis (what flattening (b, h) with h sharded makes of b*h: rank r holds chunk
+    r of every block). A piece is not one slice of the dim: its offset is the first
+    block's, its size split_factor * chunk."""
+    found = {}
+    for axis, p in enumerate(placements):
+        if type(p) is _StridedShard and p.split_factor > 1 and not any(
+                type(q) in (Shard, _StridedShard) and q.dim == p.dim for k, q in enumerate(placements) if k != axis):
+            found[axis] = p.split_factor
+    return found
 
 
 def local_shape_and_offset(
@@ -246,10 +263,12 @@ def local_shape_and_offset(
     """This coordinate's local shape and its offset into the global tensor, per dim."""
     sizes, offsets = list(shape), [0] * len(shape)
     if has_strided(placements):
+        blocks = interleaved(placements, mesh_shape)
         for dim, axes in shard_order(placements, mesh_shape).items():
             for axis in axes:
-                size, start = chunk_offset(sizes[dim], mesh_shape[axis], coordinate[axis])
-                sizes[dim] = size
+                sf = blocks.get(axis, 1)
+                size, start = chunk_offset(sizes[dim] // sf, mesh_shape[axis], coordinate[axis])
+                sizes[dim] = size * sf
                 offsets[dim] += start
         return tuple(sizes), tuple(offsets)
     for axis, p in enumerate(placements):
@@ -296,4 +315,4 @@ def like_strides(shape: Sequence[int], model_stride: Sequence[int]) -> tuple[int
 
 
 __all__ = ["Partial", "Placement", "Replicate", "Shard", "_StridedShard", "chunk_offset", "chunk_sizes",
-           "has_strided", "local_shape_and_offset", "shard_order"]
+           "has_strided", "interleaved", "local_shape_and_offset", "shard_order"]

@@ -18,6 +18,7 @@ from plait.tensor.dtensor import DTensor
 from plait.tensor.foreach_meshes import ByMeshPlan, is_foreach
 from plait.tensor.ops import RULES, OpCall
 from plait.tensor.ops.foreach import foreach_rule
+from plait.tensor.ops.matmul import bmm_rule
 from plait.tensor.ops.pointwise import pointwise_rule
 from plait.tensor.ops.reduction import foreach_norm_rule, reduction_rule
 from plait.tensor.ops.tensor_ops import like_rule, new_rule
@@ -27,7 +28,7 @@ from plait.tensor.spec import DTensorSpec, same_mesh
 
 # the rules that place a _StridedShard input themselves (its piece is one block of the tensor)
 STRIDED_RULES = (pointwise_rule, foreach_rule, reduction_rule, foreach_norm_rule, like_rule, new_rule,
-                 t_rule, transpose_rule, permute_rule, reshape_rule, squeeze_rule)
+                 t_rule, transpose_rule, permute_rule, reshape_rule, squeeze_rule, bmm_rule)
 
 
 def _positions(args, kwargs) -> list:

@@ -57,6 +57,7 @@ class Step:
     sizes2: tuple[int, ...] = ()
     src: Placement | None = None  # the Partial being reduced (all_reduce, reduce_scatter)
     dst: Placement | None = None  # the Partial being created (partition)
+    blocks: int = 1  # chunk, all_gather of an interleaved _StridedShard: dim is `blocks` blocks
 
     def __str__(self) -> str:
         where = f"axis {self.axis}" + (f" dim {self.dim}" if self.dim >= 0 else "")
@@ -188,6 +189,9 @@ def run(local: torch.Tensor, steps: Sequence[Step], mesh: DeviceMesh, *, async_o
     coordinate = mesh.get_coordinate()
     if steps and traced.is_traced(local):
         return _run_traced(local, steps, mesh, coordinate)
+    if local.is_conj() or local.is_neg():
+        # a collective reads raw memory: give it the values, not a lazy view of them
+        local = local.resolve_conj().resolve_neg()
     last = len(steps) - 1
     for k, s in enumerate(steps):
         is_async = async_op and k == last
@@ -202,6 +206,8 @@ def run(local: torch.Tensor, steps: Sequence[Step], mesh: DeviceMesh, *, async_o
         finish = _identity
         if kind == "all_gather":
             out = comm.all_gather(local, group=group, dim=s.dim, sizes=s.sizes, async_op=is_async)
+            if s.blocks > 1:
+                finish = lambda y, s=s: _interleave(y, s)  # noqa: E731
         elif kind == "all_reduce":
             x, op = _pre(local, s.src)
             buf = x.clone(memory_format=torch.contiguous_format) if x is local else x.contiguous()
@@ -231,6 +237,8 @@ def _run_traced(local: torch.Tensor, steps: Sequence[Step], mesh: DeviceMesh, co
             local = _partition(local, s, coordinate)
         elif s.kind == "all_gather":
             local = traced.all_gather(local, mesh.get_group(s.axis), s.dim, s.sizes)
+            if s.blocks > 1:
+                local = _interleave(local, s)
         elif s.kind == "all_reduce":
             x, op = _pre(local, s.src)
             local = _post(traced.all_reduce(x, mesh.get_group(s.axis), op), s.src)
@@ -247,8 +255,24 @@ def _run_traced(local: torch.Tensor, steps: Sequence[Step], mesh: DeviceMesh, co
 
 
 def _chunk(local: torch.Tensor, s: Step, coordinate) -> torch.Tensor:
+    if s.blocks > 1:  # each block's chunk: (blocks, block, ..) -> (blocks, chunk, ..) -> (blocks * chunk, ..)
+        b = s.blocks
+        size, start = chunk_offset(sum(s.sizes) // b, len(s.sizes), coordinate[s.axis])
+        shape = list(local.shape)
+        blocked = local.reshape(shape[:s.dim] + [b, shape[s.dim] // b] + shape[s.dim + 1:])
+        return blocked.narrow(s.dim + 1, start, size).reshape(shape[:s.dim] + [b * size] + shape[s.dim + 1:])
     size, start = chunk_offset(sum(s.sizes), len(s.sizes), coordinate[s.axis])
     return local.narrow(s.dim, start, size)
+
+
+def _interleave(gathered: torch.Tensor, s: Step) -> torch.Tensor:
+    """The rank pieces of an interleaved dim, gathered one after another ([r0: blocks x c0,
+    r1: blocks x c1, ..]), put back in block order ([block 0: c0, c1, ..; block 1: ..])."""
+    b, d = s.blocks, s.dim
+    shape = list(gathered.shape)
+    pieces = [p.reshape(shape[:d] + [b, p.shape[d] // b] + shape[d + 1:])
+              for p in gathered.split(list(s.sizes), dim=d)]
+    return torch.cat(pieces, dim=d + 1).reshape(shape)
 
 
 def _partition(local: torch.Tensor, s: Step, coordinate) -> torch.Tensor:

@@ -9,6 +9,8 @@ so its piece is the innermost cut: gathering over that axis alone rebuilds what 
 axes hold (for FSDP over TP, the TP-local tensor), and cutting the local tensor by it is
 step (3). Sizes come from local_shape_and_offset of the placements at that point; the ranks
 of one axis group share their coordinates on every other axis, so they agree on them.
+An interleaved _StridedShard (no other axis cuts its dim: placement.interleaved) gathers
+and chunks block by block (Step.blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from plait.tensor.placement import (
     Replicate,
     _StridedShard,
     chunk_sizes,
+    interleaved,
     local_shape_and_offset,
     shard_order,
 )
@@ -41,13 +44,16 @@ def plan(
     shard_order(dst, mesh_shape)  # a user's dst that is no valid layout fails here, by name
     steps: list[Step] = []
     cur = list(src)
+    src_blocks, dst_blocks = interleaved(src, mesh_shape), interleaved(dst, mesh_shape)
     for axis in reversed(range(len(cur))):
         p = cur[axis]
         if type(p) is not _StridedShard:
             continue
         cur[axis] = Replicate()
         size = local_shape_and_offset(shape, cur, mesh_shape, coordinate)[0][p.dim]
-        steps.append(Step("all_gather", axis, p.dim, tuple(chunk_sizes(size, mesh_shape[axis]))))
+        sf = src_blocks.get(axis, 1)  # an interleaved piece is sf chunks, one per block
+        sizes = tuple(sf * c for c in chunk_sizes(size // sf, mesh_shape[axis]))
+        steps.append(Step("all_gather", axis, p.dim, sizes, blocks=sf))
     mid = [Replicate() if type(p) is _StridedShard else p for p in dst]
     steps += plain(shape, cur, mid, mesh_shape, coordinate)
     cur = mid
@@ -55,7 +61,9 @@ def plan(
         if type(p) is not _StridedShard:
             continue
         size = local_shape_and_offset(shape, cur, mesh_shape, coordinate)[0][p.dim]
-        steps.append(Step("chunk", axis, p.dim, tuple(chunk_sizes(size, mesh_shape[axis]))))
+        sf = dst_blocks.get(axis, 1)
+        steps.append(Step("chunk", axis, p.dim, tuple(sf * c for c in chunk_sizes(size // sf, mesh_shape[axis])),
+                          blocks=sf))
         cur[axis] = p
     return tuple(steps)
 

@@ -15,12 +15,17 @@
     attention    scaled_dot_product_attention (CPU flash kernel) forward and backward
     random_ops   bernoulli/uniform/normal/..., native_dropout
     misc         item, equal, is_same_size
+    dimwise      ops along some dims, independent along the rest: scans, sort/topk, flip/roll,
+                 triu, linear algebra, pooling, resampling, gather/scatter, other reductions
+    complex      view_as_real / view_as_complex (conj and neg bits: pointwise)
 
 Importing this package registers every rule.
 """
 
 from plait.tensor.ops import (  # noqa: F401 - imported to register their rules
     attention,
+    complex,
+    dimwise,
     embedding,
     foreach,
     loss,

@@ -15,7 +15,7 @@ size, Partial (kept on one rank, zeros elsewhere) when the output is Partial.
 from __future__ import annotations
 
 from plait.tensor.ops.registry import OpCall, Sharding, aten, partial_ops, register
-from plait.tensor.placement import Partial, Placement, Replicate, Shard
+from plait.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
 from plait.tensor.spec import DTensorSpec
 
 
@@ -33,6 +33,14 @@ def einsum_strategies(equation: str, specs: list[DTensorSpec]) -> list:
             options.append(((left, right), (Shard(out.index(c)),)))
         elif in_l and in_r:
             options.append(((left, right), (Partial("sum"),)))
+    # a batch dim that a reshape left block-strided (a 4-D matmul's heads): kept as it is
+    for c in dict.fromkeys(lhs):
+        if c in rhs and c in out:
+            for sf in {p.split_factor for s, i in zip(specs, (lhs, rhs)) for p in s.placements
+                       if type(p) is _StridedShard and p.dim == i.index(c)}:
+                options.append(((_StridedShard(lhs.index(c), split_factor=sf),
+                                 _StridedShard(rhs.index(c), split_factor=sf)),
+                                (_StridedShard(out.index(c), split_factor=sf),)))
     for op in partial_ops(specs) or ():
         p = Partial(op)
         options.append(((p, R), (p,)))
@@ -70,10 +78,10 @@ def _einsum_rule(equation: str, biased: bool):
 
 
 register(aten.mm.default)(_einsum_rule("mk,kn->mn", False))
-register(aten.bmm.default)(_einsum_rule("bmk,bkn->bmn", False))
+bmm_rule = register(aten.bmm.default)(_einsum_rule("bmk,bkn->bmn", False))
 register(aten.dot.default)(_einsum_rule("k,k->", False))
 register(aten.mv.default)(_einsum_rule("mk,k->m", False))
 register(aten.addmm.default, aten.addmm_.default)(_einsum_rule("mk,kn->mn", True))
 register(aten.baddbmm.default, aten.baddbmm_.default)(_einsum_rule("bmk,bkn->bmn", True))
 
-__all__ = ["einsum_strategies", "with_bias"]
+__all__ = ["bmm_rule", "einsum_strategies", "with_bias"]

@@ -46,6 +46,42 @@ sigmoid_backward tanh_backward threshold_backward leaky_relu_backward hardtanh_b
 elu_backward softplus_backward hardswish_backward hardsigmoid_backward mish_backward
 logit_backward native_dropout_backward""".split()
 
+# single overloads (their packets also hold non-pointwise overloads, e.g. max.dim), from torch
+# 2.13's DTensor pointwise list, and the complex math bits: conj / neg views and their resolves
+OVERLOADS = """__ilshift__.Scalar __ilshift__.Tensor __irshift__.Scalar __irshift__.Tensor __ixor__.Scalar
+__ixor__.Tensor __lshift__.Scalar __lshift__.Tensor __rshift__.Scalar __rshift__.Tensor
+__xor__.Scalar __xor__.Tensor _conj.default angle.default clip.Tensor clip.default clip_.Tensor
+clip_.default conj_physical.default conj_physical_.default float_power.Scalar
+float_power.Tensor_Scalar float_power.Tensor_Tensor float_power_.Scalar float_power_.Tensor
+frexp.Tensor gcd.default i0.default i0_.default igamma.default igamma_.default igammac.default
+igammac_.default isfinite.default lcm.default ldexp.Tensor ldexp_.default max.other min.other
+mvlgamma.default mvlgamma_.default polygamma.default polygamma_.default softshrink.default
+special_airy_ai.default special_bessel_j0.default special_bessel_j1.default
+special_bessel_y0.default special_bessel_y1.default special_chebyshev_polynomial_t.default
+special_chebyshev_polynomial_t.n_scalar special_chebyshev_polynomial_t.x_scalar
+special_chebyshev_polynomial_u.default special_chebyshev_polynomial_u.n_scalar
+special_chebyshev_polynomial_u.x_scalar special_chebyshev_polynomial_v.default
+special_chebyshev_polynomial_v.n_scalar special_chebyshev_polynomial_v.x_scalar
+special_chebyshev_polynomial_w.default special_chebyshev_polynomial_w.n_scalar
+special_chebyshev_polynomial_w.x_scalar special_entr.default special_hermite_polynomial_h.default
+special_hermite_polynomial_h.n_scalar special_hermite_polynomial_h.x_scalar
+special_hermite_polynomial_he.default special_hermite_polynomial_he.n_scalar
+special_hermite_polynomial_he.x_scalar special_i0e.default special_i1.default special_i1e.default
+special_laguerre_polynomial_l.default special_laguerre_polynomial_l.n_scalar
+special_laguerre_polynomial_l.x_scalar special_legendre_polynomial_p.default
+special_legendre_polynomial_p.n_scalar special_legendre_polynomial_p.x_scalar
+special_log_ndtr.default special_modified_bessel_i0.default special_ndtri.default
+special_shifted_chebyshev_polynomial_t.default special_shifted_chebyshev_polynomial_t.n_scalar
+special_shifted_chebyshev_polynomial_t.x_scalar special_shifted_chebyshev_polynomial_u.default
+special_shifted_chebyshev_polynomial_u.n_scalar special_shifted_chebyshev_polynomial_u.x_scalar
+special_shifted_chebyshev_polynomial_v.default special_shifted_chebyshev_polynomial_v.n_scalar
+special_shifted_chebyshev_polynomial_v.x_scalar special_shifted_chebyshev_polynomial_w.default
+special_shifted_chebyshev_polynomial_w.n_scalar special_shifted_chebyshev_polynomial_w.x_scalar
+special_spherical_bessel_j0.default special_xlog1py.self_scalar special_zeta.default
+special_zeta.other_scalar special_zeta.self_scalar true_divide.Tensor
+_neg_view.default resolve_conj.default resolve_neg.default complex.default polar.default
+isreal.default logaddexp.default logaddexp2.default hardshrink.default""".split()
+
 # base name -> argument positions that may be Partial together (linear ops only)
 PATTERNS: dict[str, tuple[tuple[int, ...], ...]] = {
     "add": ((0, 1),), "sub": ((0, 1),), "copy": ((0, 1),), "lerp": ((0, 1),),
@@ -54,9 +90,12 @@ PATTERNS: dict[str, tuple[tuple[int, ...], ...]] = {
     "where": ((1, 2),),
     "neg": ((0,),), "positive": ((0,),), "clone": ((0,),), "detach": ((0,),), "alias": ((0,),),
     "lift_fresh": ((0,),), "_to_copy": ((0,),), "zero": ((0,),), "native_dropout_backward": ((0,),),
+    # conj(x_P) = conj(x)_P; complex(a_P, b_P) = complex(a, b)_P
+    "_conj": ((0,),), "conj_physical": ((0,),), "_neg_view": ((0,),), "complex": ((0, 1),),
+    "true_divide": ((0,),),
 }
 # ops that only move or copy values: any Partial passes (they commute with max, norms, ...)
-MOVES = {"clone", "detach", "alias", "lift_fresh", "_to_copy", "positive"}
+MOVES = {"clone", "detach", "alias", "lift_fresh", "_to_copy", "positive", "resolve_conj", "resolve_neg"}
 # overloads whose second operand is a Python scalar added to every rank's local: not linear
 _SCALAR_ADD = {"Scalar"}
 
@@ -72,6 +111,11 @@ def pointwise_ops() -> list:
                 if "out" in overload or overload.endswith("_out"):
                     continue
                 ops.append(getattr(packet, overload))
+    for name in OVERLOADS:
+        packet, overload = name.rsplit(".", 1)
+        op = getattr(getattr(aten, packet, None), overload, None)
+        if op is not None:  # an older torch may lack a special function
+            ops.append(op)
     return ops
 
 

@@ -81,13 +81,65 @@ def reshape_placements(call: OpCall, in_shape, out_shape):
             continue
         d = p.dim
         group = owner.get(d)
-        target = _target(group, d, in_shape, out_shape, mesh_shape[axis], nested=d in seen or d in strided)
+        n = mesh_shape[axis]
+        alone = sum(1 for q in spec.placements if isinstance(q, (Shard, _StridedShard)) and q.dim == d) == 1
+        target = _target(group, d, in_shape, out_shape, n, nested=d in seen or d in strided)
         seen.add(d)
+        if target is None and alone and type(p) is Shard:
+            folded = _fold(group, d, in_shape, out_shape, n)  # (b, h/n) -> (b*h, strided)
+            if folded is not None:
+                ins[axis], outs[axis] = p, _StridedShard(folded[0], split_factor=folded[1])
+                continue
+        if target is None and alone and type(p) is _StridedShard:
+            unfolded = _unfold(group, p, in_shape, out_shape, n)  # (b*h, strided) -> (b, h/n)
+            if unfolded is not None:
+                ins[axis], outs[axis] = p, Shard(unfolded)
+                continue
         if target is None:
             ins[axis] = outs[axis] = Replicate()
         else:
             outs[axis] = Shard(target) if type(p) is Shard else _StridedShard(target, split_factor=p.split_factor)
     return tuple(ins), tuple(outs)
+
+
+def _fold(group, d: int, in_shape, out_shape, n: int) -> tuple[int, int] | None:
+    """Flattening dims (.., d, ..) into one dim where Shard(d) is not the first: the
+    output dim is cut in blocks of the dims before d, each block sharded as d is
+    (torch's _StridedShard(e, split_factor=blocks), what a 4-D matmul's reshape to
+    3-D makes of sharded heads). (output dim, split factor), or None."""
+    if group is None:
+        return None
+    gi, gj = group
+    lead_out = [k for k in gj if out_shape[k] != 1]
+    if len(lead_out) != 1 or d not in gi:
+        return None
+    blocks = _prod(in_shape[k] for k in gi if k < d)
+    inner = _prod(in_shape[k] for k in gi if k > d)
+    block = in_shape[d] * inner
+    if blocks == 1 or [c * inner for c in chunk_sizes(in_shape[d], n)] != chunk_sizes(block, n):
+        return None
+    return lead_out[0], blocks
+
+
+def _unfold(group, p: _StridedShard, in_shape, out_shape, n: int) -> int | None:
+    """The inverse of _fold: a dim cut in `split_factor` blocks, each sharded, viewed as
+    (blocks, d, ..) is Shard(d). The output dim, or None."""
+    if group is None:
+        return None
+    gi, gj = group
+    lead_in = [k for k in gi if in_shape[k] != 1]
+    if lead_in != [p.dim]:
+        return None
+    before = 1
+    for k in gj:
+        if before == p.split_factor and out_shape[k] != 1:
+            inner = _prod(out_shape[j] for j in gj if j > k)
+            block = in_shape[p.dim] // p.split_factor
+            if [c * inner for c in chunk_sizes(out_shape[k], n)] == chunk_sizes(block, n):
+                return k
+            return None
+        before *= out_shape[k]
+    return None
 
 
 def _target(group, d: int, in_shape, out_shape, n: int, nested: bool) -> int | None:
