@@ -25,6 +25,7 @@ from torch import nn
 
 from plait import comm
 from plait.device_mesh import DeviceMesh
+from plait.tensor import redistribute as redist
 from plait.tensor import strided
 from plait.tensor.dtensor import DTensor
 from plait.tensor.placement import (
@@ -35,6 +36,7 @@ from plait.tensor.placement import (
     _StridedShard,
     chunk_offset,
     chunk_sizes,
+    interleaved,
     normalize,
 )
 from plait.tensor.spec import DTensorSpec, same_mesh
@@ -83,10 +85,12 @@ def distribute_tensor(
                 local = comm.broadcast(local.contiguous().clone(), src=src_data_rank, group=group)
             if isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[axis] != 0:
                 local = torch.zeros_like(local)
+    blocks = interleaved(placements, device_mesh.shape)
     for axis, p in enumerate(placements):
         if type(p) is _StridedShard:
-            size, start = chunk_offset(local.size(p.dim), device_mesh.size(axis), coordinate[axis])
-            local = local.narrow(p.dim, start, size)
+            sf, n = blocks.get(axis, 1), device_mesh.size(axis)
+            sizes = tuple(sf * c for c in chunk_sizes(local.size(p.dim) // sf, n))
+            local = redist._chunk(local, redist.Step("chunk", axis, p.dim, sizes, blocks=sf), coordinate)
     if local.numel() and local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
         local = local.clone()
     local = local.contiguous()

@@ -16,6 +16,7 @@ in place returns that same DTensor object.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -67,7 +68,11 @@ def torch_dispatch(cls, op, types, args: tuple = (), kwargs: dict | None = None)
         if len(groups) > 1:  # some indices hold plain tensors only: they run as plain tensors
             return by_mesh.ByMeshPlan(op).run(args, kwargs, dts, groups)
         if not _allow_implicit_replication:
-            raise _mixed(op, _first_plain(args, kwargs)) from None
+            plain = _first_plain(args, kwargs, many=True)
+            if plain is not None:
+                raise _mixed(op, plain) from None
+        # a plain tensor of one element is a value, the same on every rank (torch's DTensor
+        # takes it as Replicate too); others under implicit_replication()
         return dispatch(op, *_replicate_plain(args, kwargs))
     key_t = tuple(key)
     try:
@@ -159,7 +164,7 @@ def _key(op, a, dts: list, free: bool = False):
         return float
     if isinstance(a, _Tensor):
         if a.dim() != 0:
-            if _allow_implicit_replication or by_mesh.is_foreach(op):
+            if _allow_implicit_replication or by_mesh.is_foreach(op) or a.numel() == 1:
                 raise _PlainTensor
             raise _mixed(op, a)
         return (_Tensor, a.dtype, a.device)
@@ -178,9 +183,11 @@ def _mixed(op, a: torch.Tensor) -> ValueError:  # a TypeError would turn into No
         "run the op under plait.tensor.experimental.implicit_replication()")
 
 
-def _first_plain(args: tuple, kwargs: dict) -> torch.Tensor:
-    return next(e for a in (*args, *kwargs.values()) for e in (a if type(a) in (list, tuple) else (a,))
-                if type(e) is not DTensor and isinstance(e, _Tensor) and e.dim() != 0)
+def _first_plain(args: tuple, kwargs: dict, many: bool = False) -> torch.Tensor | None:
+    """The first plain tensor of dim > 0 (with `many`: of more than one element, or None)."""
+    return next((e for a in (*args, *kwargs.values()) for e in (a if type(a) in (list, tuple) else (a,))
+                 if type(e) is not DTensor and isinstance(e, _Tensor) and e.dim() != 0
+                 and not (many and e.numel() == 1)), None)
 
 
 def _replicate_plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -209,9 +216,9 @@ class Plan:
     """Everything about one call signature that does not depend on tensor values."""
 
     __slots__ = ("op", "raw_op", "mesh", "steps", "out_specs", "local_fn", "positions", "returns",
-                 "moved", "is_view", "fast", "fast_inplace")
+                 "moved", "is_view", "fast", "fast_inplace", "math_bits")
 
-    def __init__(self, op, mesh, steps, out_specs, local_fn, positions, returns, moved) -> None:
+    def __init__(self, op, mesh, steps, out_specs, local_fn, positions, returns, moved, math_bits=False) -> None:
         self.op, self.raw_op, self.mesh = op, op._op, mesh
         self.steps = steps  # per DTensor arg: redistribute steps, or None to use it as it is
         self.out_specs = out_specs  # per flat tensor output: DTensorSpec (None: output is None)
@@ -229,6 +236,9 @@ class Plan:
         inplace = (local_fn is None and returns is not None and len(returns) == 1 and not moved
                    and all(s is None for s in steps) and all(where is None for where, _ in positions))
         self.fast_inplace = tuple(i for _, i in positions) if inplace else None
+        self.math_bits = math_bits  # complex values: the local op runs with conj/neg bits live
+        if math_bits:
+            self.fast = self.fast_inplace = None
 
     def run(self, args: tuple, kwargs: dict, dts: list[DTensor]):
         mesh = self.mesh
@@ -240,7 +250,11 @@ class Plan:
         for k, spec in self.moved:
             _move_in_place(dts[k], locals_[k], spec, self.op)
         la, lk = _substitute(args, kwargs, self.positions, locals_)
-        out = self.local_fn(la, lk) if self.local_fn is not None else self.raw_op(*la, **lk)
+        if self.math_bits:
+            with math_bits_live():
+                out = self.local_fn(la, lk) if self.local_fn is not None else self.raw_op(*la, **lk)
+        else:
+            out = self.local_fn(la, lk) if self.local_fn is not None else self.raw_op(*la, **lk)
         if self.returns is not None:
             r = self.returns
             return dts[r[0]] if len(r) == 1 else (tuple(dts[k] for k in r) if r else None)
@@ -253,6 +267,29 @@ class Plan:
         if isinstance(out, (tuple, list)):
             return _wrap_seq(out, iter(specs), self.is_view)
         return out
+
+
+_CONJ, _NEG = torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+@contextlib.contextmanager
+def math_bits_live():
+    """Run local ops with the Conjugate and Negative dispatch keys live again.
+
+    __torch_dispatch__ runs with every key above Python excluded, these two included, so
+    a kernel that makes a conj or neg view inside (linalg_pinv's mH, a complex backward)
+    would read the view's raw values: pinv of a complex Replicate DTensor came out wrong.
+    Eager runs them with the keys live; so does this. Only complex calls pay for it."""
+    conj, neg = _is_excluded(_CONJ), _is_excluded(_NEG)
+    _set_excluded(_CONJ, False)
+    _set_excluded(_NEG, False)
+    try:
+        yield
+    finally:
+        _set_excluded(_CONJ, conj)
+        _set_excluded(_NEG, neg)
 
 
 def _move_in_place(dt: DTensor, local, spec: DTensorSpec, op) -> None:
@@ -312,4 +349,4 @@ def _substitute(args, kwargs, positions, locals_):
 # planner imports Plan from this module; bound as a module so either may load first
 from plait.tensor import planner  # noqa: E402
 
-__all__ = ["Plan", "dispatch", "torch_dispatch"]
+__all__ = ["Plan", "dispatch", "math_bits_live", "torch_dispatch"]

@@ -129,7 +129,12 @@ class FallbackPlan:
             # every rank draws the same values (a Replicate result), as one process would
             from plait.tensor.ops.random_ops import sync_generator
             sync_generator(mesh, locals_[0].device)
-        out = self.op(*la, **lk)
+        if any(spec.dtype.is_complex for spec in self.specs):
+            from plait.tensor.dispatch import math_bits_live
+            with math_bits_live():
+                out = self.op(*la, **lk)
+        else:
+            out = self.op(*la, **lk)
         for k in self.written:  # give each written arg its piece of the new value
             if self.steps[k] is not None:
                 spec = self.specs[k]

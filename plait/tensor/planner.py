@@ -103,7 +103,7 @@ def _build_unstrided(op, args, kwargs, dts: list[DTensor], specs: list[DTensorSp
         if pre[k]:
             moved.setdefault(k, plain[k])
     return Plan(op, plan.mesh, steps, plan.out_specs, plan.local_fn, plan.positions, plan.returns,
-                tuple(moved.items()))
+                tuple(moved.items()), plan.math_bits)
 
 
 def _build(op, args, kwargs, dts: list[DTensor], specs: list[DTensorSpec]) -> Plan:
@@ -136,7 +136,8 @@ def _build(op, args, kwargs, dts: list[DTensor], specs: list[DTensorSpec]) -> Pl
             out_specs.append(None if meta is None else
                              DTensorSpec(mesh, placements, tuple(meta.shape), tuple(meta.stride()), meta.dtype))
     moved = tuple((k, specs[k].with_placements(sharding.inputs[k])) for k in written if steps[k] is not None)
-    return Plan(op, mesh, tuple(steps), tuple(out_specs), sharding.local_fn, positions, returns, moved)
+    complex_ = any(s.dtype.is_complex for s in specs) or any(o is not None and o.dtype.is_complex for o in outs or ())
+    return Plan(op, mesh, tuple(steps), tuple(out_specs), sharding.local_fn, positions, returns, moved, complex_)
 
 
 def _aliasing(op, positions) -> tuple[frozenset[int], tuple[int, ...] | None]:

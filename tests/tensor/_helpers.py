@@ -20,8 +20,8 @@ import random
 import torch
 
 from plait.device_mesh import init_device_mesh
-from plait.tensor import DTensor, Partial, Replicate, Shard
-from plait.tensor.placement import chunk_offset
+from plait.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from plait.tensor.placement import chunk_offset, has_strided
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
 
@@ -95,7 +95,10 @@ def combos(ndims: list[int], mesh, *, partial: bool = True, limit: int | None = 
 
 
 def piece(full: torch.Tensor, spec) -> torch.Tensor:
-    """This rank's piece of `full` under `spec` (Shard: its chunk; Replicate: all)."""
+    """This rank's piece of `full` under `spec` (Shard: its chunk; Replicate: all; an
+    interleaved _StridedShard: its chunk of every block, as distribute_tensor cuts it)."""
+    if has_strided(spec.placements):
+        return distribute_tensor(full, spec.mesh, spec.placements).to_local()
     out = full
     for d, (start, size) in enumerate(zip(spec.local_offset, spec.local_shape)):
         out = out.narrow(d, start, size)

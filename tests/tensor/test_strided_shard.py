@@ -70,8 +70,11 @@ def test_hsdp_tp_layout_and_errors():
     placements = (Replicate(), SS(0, split_factor=2), Shard(0))
     assert shard_order(placements, (2, 2, 2)) == {0: [2, 1]}
     assert local_shape_and_offset((8, 2), placements, (2, 2, 2), (1, 1, 0)) == ((2, 2), (2, 0))
-    with pytest.raises(ValueError, match="needs later mesh axes"):
-        shard_order((SS(0, split_factor=2), Replicate()), (2, 2))
+    # alone on its dim it is torch's interleaved layout: rank r holds chunk r of each block
+    assert shard_order((SS(0, split_factor=2), Replicate()), (2, 2)) == {0: [0]}
+    assert local_shape_and_offset((8, 3), (SS(0, split_factor=2), Replicate()), (2, 2), (1, 0)) == ((4, 3), (2, 0))
+    with pytest.raises(ValueError, match="waits for later mesh axes"):
+        shard_order((SS(0, split_factor=4), Shard(0)), (2, 2))
     with pytest.raises(ValueError, match="cuts it into 3"):
         shard_order((SS(0, split_factor=2), Shard(0)), (2, 3))
 

@@ -18,6 +18,8 @@
     dimwise      ops along some dims, independent along the rest: scans, sort/topk, flip/roll,
                  triu, linear algebra, pooling, resampling, gather/scatter, other reductions
     complex      view_as_real / view_as_complex (conj and neg bits: pointwise)
+    indexing     index.Tensor (x[idx]): untouched dims or the index's own dims sharded
+    conv         convolution forward and backward, batch-sharded
 
 Importing this package registers every rule.
 """
@@ -25,9 +27,11 @@ Importing this package registers every rule.
 from plait.tensor.ops import (  # noqa: F401 - imported to register their rules
     attention,
     complex,
+    conv,
     dimwise,
     embedding,
     foreach,
+    indexing,
     loss,
     matmul,
     misc,

@@ -51,8 +51,9 @@ def every(call: OpCall, nd: int) -> set[int]:
     return set(range(nd))
 
 
-def core_rule(core: CoreFn, *, linear: bool = False):
-    """The rule of an op whose core dims `core(call, ndim)` gives (see the module note)."""
+def core_rule(core: CoreFn, *, linear: bool = False, appends: bool = False):
+    """The rule of an op whose core dims `core(call, ndim)` gives (see the module note).
+    `appends`: an output with more dims than the input has the new ones last (unfold)."""
 
     def rule(call: OpCall) -> Sharding:
         specs: list[DTensorSpec] = call.specs
@@ -70,8 +71,8 @@ def core_rule(core: CoreFn, *, linear: bool = False):
             ins = tuple(Shard(d) if s.ndim == nd else R for s in specs)
             out_p = []
             for o in outs:
-                od = d if o is None or o.dim() == nd else d - sum(c < d for c in cores)
-                if o is not None and (o.dim() > nd or od >= o.dim() or o.shape[od] != first.shape[d]):
+                od = d if o is None or o.dim() == nd or (appends and o.dim() > nd) else d - sum(c < d for c in cores)
+                if o is not None and ((o.dim() > nd and not appends) or od >= o.dim() or o.shape[od] != first.shape[d]):
                     break
                 out_p.append(Shard(od))
             else:
@@ -84,8 +85,8 @@ def core_rule(core: CoreFn, *, linear: bool = False):
     return rule
 
 
-def _reg(core: CoreFn, *ops, linear: bool = False) -> None:
-    register(*[op for op in ops if op is not None])(core_rule(core, linear=linear))
+def _reg(core: CoreFn, *ops, linear: bool = False, appends: bool = False) -> None:
+    register(*[op for op in ops if op is not None])(core_rule(core, linear=linear, appends=appends))
 
 
 def _op(name: str):
@@ -145,6 +146,17 @@ _reg(dims_at(1, "dim"), aten.gather.default, aten.scatter.src, aten.scatter.valu
      aten.index_reduce.default, aten.index_reduce_.default, aten.index_add.default, aten.index_add_.default,
      aten.index_copy.default, aten.index_copy_.default)
 _reg(dims_at(1, "dim"), aten.scatter_add.default, aten.scatter_add_.default, linear=True)
+
+
+# diagonals: the two dims it walks are whole (the output's last dim is the diagonal)
+_reg(lambda call, nd: _norm([call.arg(2, "dim1", 0), call.arg(3, "dim2", 1)], nd), aten.diagonal.default,
+     aten.diagonal_copy.default, linear=True)
+_reg(every, aten.diag.default, aten.trace.default, linear=True)
+_reg(dims_at(2, "dim", -1), aten.linalg_cross.default)
+_reg(dims_at(1, "dim"), aten.narrow_copy.default, linear=True)
+_reg(dims_at(1, "dimension"), aten.unfold.default, linear=True, appends=True)  # a view: windows last
+# renorm rescales each slice along `dim` by its norm over every other dim
+_reg(lambda call, nd: set(range(nd)) - _norm(call.arg(2, "dim"), nd), aten.renorm.default, aten.renorm_.default)
 
 
 def constant_pad_core(call: OpCall, nd: int) -> set[int]:

@@ -82,7 +82,8 @@ def reshape_placements(call: OpCall, in_shape, out_shape):
         d = p.dim
         group = owner.get(d)
         n = mesh_shape[axis]
-        alone = sum(1 for q in spec.placements if isinstance(q, (Shard, _StridedShard)) and q.dim == d) == 1
+        run = set(group[0]) if group else {d}  # no other axis may cut any dim of d's run
+        alone = sum(1 for q in spec.placements if isinstance(q, (Shard, _StridedShard)) and q.dim in run) == 1
         target = _target(group, d, in_shape, out_shape, n, nested=d in seen or d in strided)
         seen.add(d)
         if target is None and alone and type(p) is Shard:
