@@ -1,7 +1,7 @@
 """plait — every way to scale one PyTorch training script from one device to many.
 
 Layers (each imports only those below it): comm -> device_mesh -> tensor -> strategies
-(ddp, fsdp, tensor.parallel, pipelining) -> checkpoint, run -> train, cli. See DESIGN.md.
+(ddp, fsdp, tensor.parallel, pipelining) -> checkpoint, run -> train, cli. See docs/DESIGN.md.
 
 Names are imported on first use, so `plait run` and `plait plan` start without torch.
 """
@@ -31,8 +31,8 @@ _EXPORTS = {
     "MixedPrecisionPolicy": "plait.fsdp",
     "CPUOffloadPolicy": "plait.fsdp",
     "FullyShardedDataParallel": "plait.fsdp",
-    "checkpoint_wrapper": "plait.activation_checkpoint",
-    "apply_activation_checkpointing": "plait.activation_checkpoint",
+    "checkpoint_wrapper": "plait.activation_checkpointing",
+    "apply_activation_checkpointing": "plait.activation_checkpointing",
     "parallelize_module": "plait.tensor.parallel",
     "ColwiseParallel": "plait.tensor.parallel",
     "RowwiseParallel": "plait.tensor.parallel",

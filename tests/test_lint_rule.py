@@ -1,6 +1,6 @@
 """The lint rule that keeps torch's own implementations of what plait builds out of plait/.
 
-The list is DESIGN.md's; each module must be refused by `ruff check` under plait/, in any
+The list is docs/DESIGN.md's; each module must be refused by `ruff check` under plait/, in any
 import spelling, and allowed in tests/ and benchmarks/.
 """
 

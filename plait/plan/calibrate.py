@@ -99,7 +99,7 @@ def block_costs(args, *, batch: int, seq_len: int, budget_s: float = 5.0) -> tup
     t = _timed(step_at(batch, seq_len), budget_s / 3)
     per_token = 6 * sum(p.numel() for p in block.parameters()) + 12 * args.n_heads * args.head_dim * seq_len
     rate = batch * seq_len * per_token / max(t - ops * op_s, 0.1 * t)
-    from plait.activation_checkpoint import checkpoint_wrapper
+    from plait.activation_checkpointing.wrapper import checkpoint_wrapper
 
     block = checkpoint_wrapper(block)  # as plait train wraps a checkpointed block
     return op_s, rate, _timed(step_at(batch, seq_len), budget_s / 3) / t

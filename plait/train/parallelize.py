@@ -59,7 +59,7 @@ def apply_activation_checkpointing(module: Transformer, *, mode: str, every: int
     """Recompute blocks' activations in backward: mode "full" (every block) or "every" (blocks
     whose layer index is a multiple of `every`); returns the number of blocks wrapped.
 
-    Each chosen block becomes plait.activation_checkpoint.checkpoint_wrapper(block) in place;
+    Each chosen block becomes plait.activation_checkpointing.checkpoint_wrapper(block) in place;
     its state dict and named_parameters() drop the wrapper's prefix, so FQNs (and checkpoints)
     do not change. fully_shard then wraps the wrapper, so its gather runs before the recompute."""
     if mode == "none":
@@ -68,7 +68,7 @@ def apply_activation_checkpointing(module: Transformer, *, mode: str, every: int
         raise ValueError(f"activation_checkpoint.mode must be none, full or every, got {mode!r}")
     if mode == "every" and every < 1:
         raise ValueError(f"activation_checkpoint.every must be >= 1, got {every}")
-    from plait.activation_checkpoint import checkpoint_wrapper
+    from plait.activation_checkpointing.wrapper import checkpoint_wrapper
 
     wrapped = 0
     for name in list(module.layers):

@@ -131,11 +131,11 @@ def lay_out(model: nn.Module, layout: str) -> nn.Module:
     if layout == "compile":
         return torch.compile(model)
     if layout == "ac":
-        from plait.activation_checkpoint import checkpoint_wrapper
+        from plait.activation_checkpointing import checkpoint_wrapper
         model.mid = checkpoint_wrapper(model.mid)
         return model
     if layout == "fsdp1":  # FSDP1's wrapper, mid wrapped on its own, around activation checkpointing
-        from plait.activation_checkpoint import checkpoint_wrapper
+        from plait.activation_checkpointing import checkpoint_wrapper
         from plait.fsdp import FullyShardedDataParallel
         from plait.fsdp.wrap import ModuleWrapPolicy
         model.mid = checkpoint_wrapper(model.mid)

@@ -297,7 +297,7 @@ def test_llama_tied_with_activation_checkpointing_like_torch():
                 apply_activation_checkpointing,
             )
         else:
-            from plait.activation_checkpoint import apply_activation_checkpointing
+            from plait.activation_checkpointing import apply_activation_checkpointing
         policy = functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
         model = fsdp.FullyShardedDataParallel(build_llama("tiny", tie=True), auto_wrap_policy=policy,
                                               device_id=torch.device("cpu"))

@@ -212,7 +212,7 @@ def test_param_init_fn_from_meta():
 def test_activation_checkpointing_inside_units():
     """FSDP1 scripts apply activation checkpointing after wrapping: each unit's block is
     then a CheckpointWrapper; names, state dicts and numbers stay the plain model's."""
-    from plait.activation_checkpoint import CheckpointWrapper, apply_activation_checkpointing
+    from plait.activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing
     from tests.fsdp.common import Block
 
     model, ref = wrap(build("mlp")), build("mlp")

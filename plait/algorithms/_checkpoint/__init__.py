@@ -1,1 +1,1 @@
-"""torch.distributed.algorithms._checkpoint (implemented in plait.activation_checkpoint)."""
+"""torch.distributed.algorithms._checkpoint (implemented in plait.activation_checkpointing)."""

@@ -1,6 +1,7 @@
-"""torch's algorithms._checkpoint.checkpoint_wrapper (implemented in plait.activation_checkpoint)."""
+"""torch's algorithms._checkpoint.checkpoint_wrapper (implemented in
+plait.activation_checkpointing.wrapper)."""
 
-from plait.activation_checkpoint import (
+from plait.activation_checkpointing.wrapper import (
     ActivationWrapper,
     CheckpointImpl,
     CheckpointWrapper,

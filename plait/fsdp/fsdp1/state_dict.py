@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.activation_checkpoint import replace_prefix
+from plait.activation_checkpointing.wrapper import replace_prefix
 from plait.fsdp.fsdp1 import flat_param as flat
 from plait.fsdp.fsdp1.api import (
     FullOptimStateDictConfig,

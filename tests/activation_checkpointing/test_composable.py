@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait._composable import checkpoint
+from plait.activation_checkpointing import checkpoint
 from plait.fsdp import fully_shard
 from plait.testing import distributed
 from tests.fsdp.common import PER_RANK, batch, build, global_mean, make_opt, mine, world

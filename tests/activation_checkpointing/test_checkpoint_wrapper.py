@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.activation_checkpoint import (
+from plait.activation_checkpointing import (
     CheckpointImpl,
     CheckpointWrapper,
     apply_activation_checkpointing,

@@ -1,4 +1,4 @@
-"""Activation checkpointing under fully_shard (the order DESIGN.md gives: AC, then FSDP):
+"""Activation checkpointing under fully_shard (the order docs/DESIGN.md gives: AC, then FSDP):
 checkpoint each block, fully_shard each (wrapped) block and the root, and train like one
 process without checkpointing (the parity protocol of tests/fsdp/common.py; tolerances
 as in tests/fsdp/test_parity.py: loss rtol 1e-5, parameters atol 2e-5 / rtol 1e-4, from
@@ -9,7 +9,7 @@ gathered parameters, which its pre-backward all-gather provides.
 import torch
 import torch.nn.functional as F
 
-from plait.activation_checkpoint import CheckpointWrapper, apply_activation_checkpointing
+from plait.activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing
 from plait.fsdp import fully_shard
 from plait.testing import distributed
 from tests.fsdp.common import PER_RANK, Block, batch, build, global_mean, make_opt, mine, world

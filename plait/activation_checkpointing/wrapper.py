@@ -1,4 +1,4 @@
-"""plait.activation_checkpoint — torch's checkpoint_wrapper API
+"""The wrapper API of activation checkpointing: torch's checkpoint_wrapper
 (torch.distributed.algorithms._checkpoint.checkpoint_wrapper), on torch.utils.checkpoint.
 
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
@@ -11,7 +11,7 @@ child sits at `_checkpoint_wrapped_module`, but named_parameters(), state_dict()
 load_state_dict() drop and restore that prefix, so a checkpointed model saves and loads
 the same keys as the plain one (and the optimizer's parameter names do not change).
 
-Order with the other strategies (DESIGN.md): tensor parallel, then activation
+Order with the other strategies (docs/DESIGN.md): tensor parallel, then activation
 checkpointing, then compile, then FSDP. fully_shard on a CheckpointWrapper gathers before
 the recompute too: the recompute runs inside the wrapper's backward, when its group is
 unsharded already.

@@ -6,8 +6,8 @@
 
 Invariant: the module is not wrapped and not renamed — its fqns, state dict and optimizer names
 are the plain model's — and the numbers are the plain model's; only what autograd saves
-changes. This is the hook-based twin of `plait.activation_checkpoint.checkpoint_wrapper`; like
-it, it goes before compile and FSDP in the order that composes (DESIGN.md).
+changes. This is the hook-based twin of wrapper.py's `checkpoint_wrapper`; like
+it, it goes before compile and FSDP in the order that composes (docs/DESIGN.md).
 """
 
 from __future__ import annotations
