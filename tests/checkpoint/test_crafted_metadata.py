@@ -18,7 +18,7 @@ import torch
 
 import plait.checkpoint as dcp
 from plait.checkpoint import tools
-from tests.checkpoint._crafted import empty, read_body, reference, save, write_body
+from tests.checkpoint._crafted import empty, read_body, save, write_body
 from tests.checkpoint.test_confined import no_hang  # noqa: F401 - a FIFO read fails the test, not hangs it
 
 
@@ -199,7 +199,6 @@ def test_fuzzed_metadata_never_hangs_leaks_or_loads_garbage(base, tmp_path, monk
     os.mkdir(os.path.join(path, "sub"))
     os.symlink(secret, os.path.join(path, "link"))
     outside = _outside_opens(root, monkeypatch)
-    ref = reference()
     outcomes = {"refused": 0, "loaded": 0}
     reasons = []
     for seed in range(150):
@@ -225,5 +224,5 @@ def test_fuzzed_metadata_never_hangs_leaks_or_loads_garbage(base, tmp_path, monk
             os.remove(out)
         assert not outside, (seed, outside)
     assert "Traceback" not in capsys.readouterr().err
-    assert outcomes["refused"] > 100 and outcomes["loaded"] > 3, (outcomes, "\n".join(map(str, reasons)))  # edits reach every path
-    assert torch.equal(ref["w"], reference()["w"])
+    # the edits reach both paths: refusals (each reason listed if not) and sound edits that load
+    assert outcomes["refused"] > 100 and outcomes["loaded"] > 3, (outcomes, "\n".join(map(str, reasons)))
