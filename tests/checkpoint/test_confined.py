@@ -6,6 +6,7 @@ nothing outside is read, no size or checksum of it printed, nothing hangs.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -140,3 +141,20 @@ def test_import_torch_dcp_refuses_files_outside_or_not_regular(tmp_path, relativ
         import_torch_dcp(str(src), str(out))
     assert tools.main(["import-torch-dcp", str(src), str(out)]) == 1
     assert not out.exists() and not (tmp_path / "out.incomplete").exists()
+
+
+@pytest.mark.parametrize("bad", ["../secret.safetensors", "link"])
+def test_hugging_face_index_naming_a_file_outside_is_refused(tmp_path, bad):
+    hf = tmp_path / "hf"
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=dcp.HuggingFaceStorageWriter(str(hf)), no_dist=True)
+    index = hf / "model.safetensors.index.json"
+    if not index.exists():  # one file, no index: write the index a sharded save has
+        index.write_text('{"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}')
+    real = json.loads(index.read_text())["weight_map"]["w"]
+    os.rename(hf / real, tmp_path / "secret.safetensors")
+    if bad == "link":
+        os.symlink(tmp_path / "secret.safetensors", hf / "link")
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": bad}}))
+    said = "names the file '../secret.safetensors'" if bad != "link" else "is a symbolic link"
+    with pytest.raises(dcp.CheckpointException, match=said):  # a storage layer's error, as torch wraps it
+        dcp.load({"w": torch.zeros(6)}, storage_reader=dcp.HuggingFaceStorageReader(str(hf)), no_dist=True)
