@@ -255,6 +255,11 @@ def load(state: TrainState, path: Path, *, config, model_only: bool = False) -> 
     """Load checkpoint `path` into `state`; the step it resumes at (0: model only). A whole
     load is a resume: refused, before anything loads, if `config`'s model is not the saved one."""
     if model_only:  # a new run from these weights: keys they lack keep their init (warned)
+        mine = ModelOnly(state).state_dict()["model"]
+        saved = dcp.FileSystemReader(str(path)).read_metadata().tensors
+        if mine and not any(f"app.model.{k}" in saved for k in mine):  # else it would train from scratch, silently
+            raise ValueError(f"checkpoint {path} holds none of this model's {len(mine)} tensors (no "
+                             f"'app.model.{next(iter(mine))}'): is it a `plait train` checkpoint?")
         dcp.load({"app": ModelOnly(state)}, checkpoint_id=str(path),
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
         return 0

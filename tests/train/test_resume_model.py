@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import plait.checkpoint as dcp
 from plait.checkpoint import FileSystemReader
 from plait.checkpoint.tools import full_tensor
 from plait.testing import run_distributed
@@ -104,6 +105,11 @@ def test_initial_load_path_fine_tunes_the_weights_into_a_changed_model(job):
         (msg,) = run_distributed(_refused, [*start, "--model.ffn_dim", "256"], tempfile.mkdtemp(dir=new), world_size=1)
         assert f"is float32[256, 64] but checkpoint {source} saved float32[192, 64]" in msg, msg
         assert _contents(source) == before
+        other = str(Path(new) / "not-a-run")  # a checkpoint, but none of this model's tensors: not trained from scratch
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=other)
+        (msg,) = run_distributed(_refused, [*start, "--checkpoint.initial_load_path", other], tempfile.mkdtemp(dir=new),
+                                 world_size=1)
+        assert f"checkpoint {other} holds none of this model's 21 tensors" in msg, msg
     finally:
         shutil.rmtree(new, ignore_errors=True)
 
