@@ -132,8 +132,8 @@ def model_changes(path: str | Path, config) -> list[str]:
     md = dcp.FileSystemReader(str(path)).read_metadata()
     if CONFIG_KEY not in md.values:
         return []
-    saved = decode(md.values[CONFIG_KEY])
     try:
+        saved = decode(md.values[CONFIG_KEY])
         before = model_fields(from_dict({k: saved[k] for k in ("model", "data") if k in saved}))
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"the model config saved in {path} does not read back: {e}") from None
