@@ -8,7 +8,9 @@
 The unpickler admits only the names DCP's metadata pickles (its dataclasses, torch dtypes,
 torch.Size, the layout helper, pathlib paths), each mapped to an inert stand-in built here,
 and refuses any other global with an error naming it, so a crafted .metadata cannot run
-code. DCP's own classes are not imported (plait does not depend on torch's DCP).
+code. Every file an entry names is a plain name in DIR, a regular file (confine.py), and
+its byte range lies inside it; the chunks must tile their tensors (validate.py) before the
+result is committed. DCP's own classes are not imported (plait does not depend on torch's DCP).
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import io
 import math
 import os
 import pickle
+import shutil
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from plait.checkpoint import commit, values
-from plait.checkpoint.metadata import dtype_name
+from plait.checkpoint import commit, validate, values
+from plait.checkpoint.confine import check_name, open_regular
+from plait.checkpoint.metadata import ChunkMeta, Metadata, TensorMeta, dtype_name
 from plait.checkpoint.safetensors_io import write_file
 from plait.checkpoint.storage import chunk_name
 
@@ -91,7 +95,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(directory: str) -> Any:
     where = os.path.join(directory, ".metadata")
-    with open(where, "rb") as f:
+    with open_regular(where, what="the torch DCP metadata") as f:
         return RestrictedUnpickler(f, where=where).load()
 
 
@@ -106,61 +110,93 @@ def _load_item(raw: bytes, *, what: str) -> Any:
     raise ValueError(f"{what} is not in torch.save format and has no raw-bytes description")
 
 
+def _entry(fqn: str, entry: Any, raw, tensors: dict, vals: dict, pieces: list, *, where: str) -> None:
+    """One state_dict_metadata entry: a value into `vals`, a tensor into `tensors` and its
+    non-empty chunks (read through `raw`) into `pieces`."""
+    if type(entry).__name__ == "BytesStorageMetadata":
+        vals[fqn] = values.encode(_load_item(raw(fqn, None), what=f"value {fqn!r}"), key=fqn)
+        return
+    props = entry.properties.state  # TensorProperties pickles (dtype, layout, ...) as a tuple
+    dtype = props[0] if isinstance(props, tuple) else props["dtype"]
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where} gives {fqn!r} the dtype {dtype!r}")
+    size = tuple(entry.size)
+    tensors[fqn] = TensorMeta(list(size), dtype_name(dtype), {"placements": [], "from": "torch DCP"})
+    for c in entry.chunks:
+        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        if any(type(x) is not int or x < 0 for x in (*offsets, *sizes)) or not len(offsets) == len(sizes) == len(size):
+            raise ValueError(f"{where}: a chunk of {fqn!r} {list(size)} has offsets {list(offsets)}, sizes {list(sizes)}")
+        data = raw(fqn, offsets)
+        if data[:2] == b"PK":
+            t = _load_item(data, what=f"tensor {fqn!r}")
+        elif len(data) == math.prod(sizes) * dtype.itemsize:  # raw bytes of the chunk
+            t = torch.frombuffer(bytearray(data), dtype=dtype).view(sizes)
+        else:
+            raise ValueError(f"DCP chunk of {fqn!r} at {list(offsets)} is {len(data)} bytes; {dtype}"
+                             f"{list(sizes)} is {math.prod(sizes) * dtype.itemsize}")
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != sizes or t.dtype != dtype:
+            raise ValueError(f"DCP chunk of {fqn!r} at {list(offsets)} is {getattr(t, 'dtype', type(t).__name__)}"
+                             f"{list(getattr(t, 'shape', []))}, its metadata says {dtype}{list(sizes)}")
+        if math.prod(sizes):
+            pieces.append((fqn, offsets, sizes, t))
+
+
 def import_torch_dcp(directory: str, out: str) -> dict[str, Any]:
     """Convert DIR into a plait checkpoint OUT; returns {"tensors": n, "values": n}."""
     md = read_dcp_metadata(directory)
-    storage = {_index_key(k): v for k, v in md.storage_data.items()}
+    try:
+        storage = {_index_key(k): v for k, v in md.storage_data.items()}
+        entries = dict(md.state_dict_metadata.items())
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{directory}/.metadata is not a torch DCP Metadata ({type(e).__name__}: {e})") from None
     opened: dict[str, Any] = {}
 
     def raw(fqn: str, offset: tuple[int, ...] | None) -> bytes:
         info = storage.get((fqn, offset))
+        what = f"{directory}/.metadata's storage entry for {fqn!r} at offsets {offset}"
         if info is None:
             raise ValueError(f"{directory}/.metadata has no storage entry for {fqn!r} at offsets {offset}")
-        path = os.path.join(directory, info.relative_path)
-        if info.relative_path not in opened:
-            opened[info.relative_path] = open(path, "rb")  # noqa: SIM115 - closed below
-        f = opened[info.relative_path]
-        f.seek(info.offset)
-        data = f.read(info.length)
-        if len(data) != info.length:
-            raise ValueError(f"{path} is truncated: {fqn!r} needs bytes [{info.offset}, {info.offset + info.length})")
+        name = check_name(info.relative_path, what=what)  # never a file outside DIR
+        path = os.path.join(directory, name)
+        if name not in opened:
+            opened[name] = open_regular(path, what=what)
+        f = opened[name]
+        begin, length = info.offset, info.length
+        size = os.fstat(f.fileno()).st_size
+        if type(begin) is not int or type(length) is not int or begin < 0 or length < 0 or begin + length > size:
+            raise ValueError(f"{what} gives bytes [{begin!r}, +{length!r}) of {path}, which has {size} bytes")
+        f.seek(begin)
+        data = f.read(length)
+        if len(data) != length:
+            raise ValueError(f"{path} is truncated: {fqn!r} needs bytes [{begin}, {begin + length})")
         return data
 
     staging = commit.begin(out, overwrite=False)
-    tensors, chunks, vals, pieces = {}, {}, {}, []
+    tensors: dict[str, TensorMeta] = {}
+    vals: dict[str, Any] = {}
+    pieces: list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
     try:
-        for fqn, entry in md.state_dict_metadata.items():
-            if type(entry).__name__ == "BytesStorageMetadata":
-                vals[fqn] = values.encode(_load_item(raw(fqn, None), what=f"value {fqn!r}"), key=fqn)
-                continue
-            props = entry.properties.state  # TensorProperties pickles (dtype, layout, ...) as a tuple
-            dtype = props[0] if isinstance(props, tuple) else props["dtype"]
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"{directory}/.metadata gives {fqn!r} the dtype {dtype!r}")
-            size = tuple(entry.size)
-            tensors[fqn] = {"shape": list(size), "dtype": dtype_name(dtype), "layout": {"placements": [], "from": "torch DCP"}}
-            for c in entry.chunks:
-                offsets, sizes = tuple(c.offsets), tuple(c.sizes)
-                data = raw(fqn, offsets)
-                if data[:2] == b"PK":
-                    t = _load_item(data, what=f"tensor {fqn!r}")
-                else:  # raw bytes of the chunk
-                    t = torch.frombuffer(bytearray(data), dtype=dtype).view(sizes)
-                if tuple(t.shape) != sizes or t.dtype != dtype:
-                    raise ValueError(f"DCP chunk of {fqn!r} at {list(offsets)} is {t.dtype}{list(t.shape)}, "
-                                     f"its metadata says {dtype}{list(sizes)}")
-                if math.prod(sizes):
-                    pieces.append((fqn, offsets, sizes, t))
-        written = write_file(os.path.join(staging, "__0_0.safetensors"),
-                             [(chunk_name(f, o), t) for f, o, _, t in pieces], sync=True)
+        for fqn, entry in entries.items():
+            try:
+                _entry(fqn, entry, raw, tensors, vals, pieces, where=f"{directory}/.metadata")
+            except (TypeError, AttributeError, KeyError, IndexError) as e:  # a crafted record's fields
+                raise ValueError(f"{directory}/.metadata: the entry of {fqn!r} is malformed "
+                                 f"({type(e).__name__}: {e})") from None
+        file = "__0_0.safetensors"
+        written = write_file(os.path.join(staging, file), [(chunk_name(f, o), t) for f, o, _, t in pieces], sync=True)
         for (fqn, offsets, sizes, _), (name, begin, nbytes, crc) in zip(pieces, written):
-            chunks.setdefault(fqn, []).append({"offsets": list(offsets), "sizes": list(sizes), "file": "__0_0.safetensors",
-                                               "name": name, "begin": begin, "nbytes": nbytes, "crc32": crc})
+            tensors[fqn].chunks.append(ChunkMeta(list(offsets), list(sizes), file, name, begin, nbytes, crc))
+        # what load and verify will check, before it is committed: the chunks tile their tensors
+        validate.check(Metadata(tensors, vals, 1, [file], {file: written.file_meta}), where=f"{directory}/.metadata")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
         for f in opened.values():
             f.close()
-    commit.write_fragment(staging, 0, {"rank": 0, "tensors": tensors, "chunks": chunks, "values": vals,
-                                       "files": ["__0_0.safetensors"],
-                                       "file_meta": {"__0_0.safetensors": asdict(written.file_meta)}, "error": None}, sync=True)
+    chunks = {fqn: [vars(c) for c in t.chunks] for fqn, t in tensors.items() if t.chunks}
+    metas = {fqn: {"shape": t.shape, "dtype": t.dtype, "layout": t.layout} for fqn, t in tensors.items()}
+    commit.write_fragment(staging, 0, {"rank": 0, "tensors": metas, "chunks": chunks, "values": vals, "files": [file],
+                                       "file_meta": {file: asdict(written.file_meta)}, "error": None}, sync=True)
     commit.finish(out, 1, sync=True, timeout=1.0)
     return {"tensors": len(tensors), "values": len(vals)}

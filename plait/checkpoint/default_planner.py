@@ -167,7 +167,7 @@ class DefaultLoadPlanner(LoadChunkPlanner, LoadPlanner):
             if entry is None:
                 self._problem(f"missing key {fqn!r}: the state dict has it, the checkpoint does not")
             elif isinstance(v, torch.Tensor) != isinstance(entry, TensorStorageMetadata):
-                self._problem(f"state_dict[{fqn!r}] is a {type(v).__name__} but the checkpoint saved "
+                raise ValueError(f"state_dict[{fqn!r}] is a {type(v).__name__} but the checkpoint saved "
                               f"{'a tensor' if isinstance(entry, TensorStorageMetadata) else 'a non-tensor value'}")
             elif isinstance(entry, TensorStorageMetadata):
                 items.extend(self._reads(fqn, v, entry))
@@ -195,9 +195,8 @@ class DefaultLoadPlanner(LoadChunkPlanner, LoadPlanner):
 
     def _reads(self, fqn: str, v: torch.Tensor, entry: TensorStorageMetadata) -> list[ReadItem]:
         if tuple(v.shape) != tuple(entry.size) or v.dtype != entry.properties.dtype:
-            self._problem(f"state_dict[{fqn!r}] is {v.dtype}{list(v.shape)} but the checkpoint saved "
-                          f"{entry.properties.dtype}{list(entry.size)}")
-            return []
+            raise ValueError(f"state_dict[{fqn!r}] is {v.dtype}{list(v.shape)} but the checkpoint saved "
+                             f"{entry.properties.dtype}{list(entry.size)}")
         found = local_chunk(fqn, v)
         if found is None:
             return []

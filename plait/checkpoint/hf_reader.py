@@ -7,7 +7,8 @@
       byte range, a run per contiguous stretch (box_runs), into a buffer -> copy_ into
       resolve_tensor's view -> commit_tensor
 
-No checksums here: the layout has none (plait's own checkpoints are FileSystemReader's).
+No checksums here: the layout has none (plait's own checkpoints are FileSystemReader's). The
+index's file names are plain names inside the folder, opened as regular files only (confine.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from plait.checkpoint.confine import check_name, open_regular
 from plait.checkpoint.hf_shards import in_parallel, read_header
 from plait.checkpoint.hf_storage import INDEX_FILE, box_runs
 from plait.checkpoint.planner_api import (
@@ -56,9 +58,9 @@ class HuggingFaceStorageReader(PlansAsGiven, StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
+            with open_regular(index, what=INDEX_FILE) as f:
                 weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = sorted({check_name(n, what=f"{INDEX_FILE}'s weight_map[{k!r}]") for k, n in weight_map.items()})
         else:
             files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors")) if os.path.isdir(self.path) else []
             weight_map = None
@@ -99,7 +101,7 @@ class HuggingFaceStorageReader(PlansAsGiven, StorageReader):
         return done(None)
 
     def _read_file(self, name: str, reads: list, planner: LoadPlanner) -> None:
-        with open(os.path.join(self.path, name), "rb") as f:
+        with open_regular(os.path.join(self.path, name), what=f"file {name!r}") as f:
             for r in reads:
                 _, begin, shape = self.metadata.storage_data[r.storage_index]
                 dtype = self.metadata.state_dict_metadata[r.storage_index.fqn].properties.dtype

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from plait.checkpoint.confine import open_regular
 from plait.checkpoint.metadata import _ST_TAGS, safetensors_tag
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # torch's _hf_utils names
@@ -81,7 +82,7 @@ def write_shard(path: str, chunks: list[tuple[str, list[int], torch.Tensor]], *,
 def read_header(path: str) -> tuple[dict[str, tuple[torch.dtype, list[int], int]], dict[str, list[int]] | None]:
     """fqn -> (dtype, shape, absolute byte offset of its data) of one safetensors file, and
     fqn -> saved offsets where the file is one of torch's shards (else None)."""
-    with open(path, "rb") as f:
+    with open_regular(path, what=f"file {os.path.basename(path)!r}") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError(f"{path} is not a safetensors file: {len(raw)} bytes")

@@ -15,6 +15,8 @@ Every byte of a version-2 checkpoint is under a checksum: a tensor file is its h
 crc32), exactly `size` bytes; metadata.json carries its own crc32 as its last key, so it
 stays plain JSON and is committed by the same rename as before (commit.py). Version 1
 (no file_meta, no metadata_crc32) still loads, with the chunks' checksums only.
+Every field is checked when the file is read (validate.py: names confined to the folder,
+chunks inside their tensor and file, tiling it exactly), once for every reader.
 `layout` records how the tensor was laid out when saved (mesh shape, axis names,
 placements), for `plait checkpoint inspect`; load never needs it, since the chunks say
 where every element is.
@@ -164,7 +166,7 @@ class Metadata:
                                              f"{int(trailer.group(1), 16):#010x}")
         try:
             body = json.loads(data.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where} ({len(data)} bytes) is not valid JSON ({e})") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise CorruptCheckpointError(f"{where} is not plait checkpoint metadata (no format={FORMAT!r})")
@@ -179,6 +181,9 @@ class Metadata:
                 for k, t in body["tensors"].items()
             }
             files = {k: FileMeta(**f) for k, f in body.get("file_meta", {}).items()}
-            return Metadata(tensors, body["values"], body["world_size"], body["files"], files)
+            md = Metadata(tensors, body["values"], body["world_size"], body["files"], files)
         except (KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpointError(f"{where} lacks or mangles a field ({type(e).__name__}: {e})") from None
+        from plait.checkpoint.validate import check  # imports this module
+
+        return check(md, where)

@@ -200,9 +200,10 @@ def _shown(stored: Any) -> str:
 
 class LoadChunkPlanner:
     """The read logic of torch's DefaultLoadPlanner (default_planner.py adds torch's protocol).
-    allow_partial_load=True reports keys missing from the
-    checkpoint, unexpected saved keys and shape/dtype mismatches (warnings, and
-    `self.report`) and skips them instead of raising."""
+    allow_partial_load=True reports keys missing from the checkpoint and unexpected saved
+    keys (warnings, and `self.report`) and skips them instead of raising, as torch's does;
+    a key both have in different shapes, dtypes or kinds (tensor, value) is a ValueError
+    either way: skipping it would train on with that tensor's fresh init."""
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
                  allow_partial_load: bool = False) -> None:
@@ -231,8 +232,8 @@ class LoadChunkPlanner:
             elif fqn in metadata.values:
                 plan.values[fqn] = metadata.values[fqn]
             elif fqn in metadata.tensors:
-                self._problem(f"state_dict[{fqn!r}] is a {type(v).__name__} but {where} saved a tensor "
-                              f"{metadata.tensors[fqn].dtype}{metadata.tensors[fqn].shape} there")
+                raise ValueError(f"state_dict[{fqn!r}] is a {type(v).__name__} but {where} saved a tensor "
+                                 f"{metadata.tensors[fqn].dtype}{metadata.tensors[fqn].shape} there")
             else:
                 self._problem(_missing(fqn, v, metadata, where))
         for fqn in sorted(set(metadata.tensors) | set(metadata.values)):  # after missing: the likelier cause
@@ -245,15 +246,15 @@ class LoadChunkPlanner:
         meta = metadata.tensors.get(fqn)
         if meta is None:
             if fqn in metadata.values:
-                self._problem(f"state_dict[{fqn!r}] is a tensor but {where} saved a "
-                              f"non-tensor value {_shown(metadata.values[fqn])} there")
+                raise ValueError(f"state_dict[{fqn!r}] is a tensor but {where} saved a "
+                                 f"non-tensor value {_shown(metadata.values[fqn])} there")
             else:
                 self._problem(_missing(fqn, v, metadata, where))
             return
         if list(v.shape) != list(meta.shape) or dtype_name(v.dtype) != meta.dtype:
-            self._problem(f"state_dict[{fqn!r}] is {dtype_name(v.dtype)}{list(v.shape)} but {where} "
-                          f"saved {meta.dtype}{meta.shape}")
-            return
+            # torch's planner: "Size mismatch between saved ... and current", a ValueError, partial or not
+            raise ValueError(f"state_dict[{fqn!r}] is {dtype_name(v.dtype)}{list(v.shape)} but {where} "
+                             f"saved {meta.dtype}{meta.shape}")
         found = local_chunk(fqn, v)
         if found is None:
             return

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from plait.checkpoint.confine import open_regular
 from plait.checkpoint.metadata import (
     ChunkMeta,
     CorruptCheckpointError,
@@ -98,7 +99,7 @@ def check_file(path: str, meta: FileMeta, *, file: str, fqns: Sequence[str]) -> 
     """The file is `meta.size` bytes and its header has the saved crc32 (`fqns`: the tensors
     it holds, for the message). Reads only the header."""
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below
+        f = open_regular(path, what=f"file {file!r} of {_tensors(fqns)}")
     except FileNotFoundError:
         raise ChunkError(f"file {file!r} of {_tensors(sorted(set(fqns))[:1])} is missing ({path}); it held {_tensors(fqns)}") from None
     with f:
@@ -114,10 +115,10 @@ def check_file(path: str, meta: FileMeta, *, file: str, fqns: Sequence[str]) -> 
 
 
 def read_chunk(path: str, chunk: ChunkMeta, *, fqn: str, into: torch.Tensor | None = None) -> torch.Tensor:
-    """The chunk's bytes (into `into`, a contiguous uint8 tensor of chunk.nbytes, if given)."""
-    buf = torch.empty(chunk.nbytes, dtype=torch.uint8) if into is None else into
+    """The chunk's bytes (into `into`, a contiguous uint8 tensor of chunk.nbytes, if given);
+    the buffer is allocated once the file is known to hold them, and filled entirely or refused."""
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below
+        f = open_regular(path, what=f"file {chunk.file!r} of tensor {fqn!r}")
     except FileNotFoundError:
         raise ChunkError(f"file {chunk.file!r} of tensor {fqn!r} is missing ({path})") from None
     with f:
@@ -126,10 +127,14 @@ def read_chunk(path: str, chunk: ChunkMeta, *, fqn: str, into: torch.Tensor | No
             raise ChunkError(f"file {chunk.file!r} is truncated: {size} bytes, but tensor {fqn!r} "
                              f"(chunk at offsets {chunk.offsets}) lies at bytes "
                              f"[{chunk.begin}, {chunk.begin + chunk.nbytes})")
+        buf = torch.empty(chunk.nbytes, dtype=torch.uint8) if into is None else into
         f.seek(chunk.begin)
         view = buf.numpy()
-        got = f.readinto(view)
-        assert got == chunk.nbytes, (got, chunk.nbytes)
+        got = f.readinto(view) or 0
+        if got != chunk.nbytes:  # the file shrank since fstat: the rest of buf is not the file's
+            raise ChunkError(f"file {chunk.file!r} gave {got} of the {chunk.nbytes} bytes of tensor {fqn!r} "
+                             f"(chunk at offsets {chunk.offsets}, bytes [{chunk.begin}, "
+                             f"{chunk.begin + chunk.nbytes})): it is being truncated")
     crc = 0
     for start in range(0, chunk.nbytes, _BLOCK):
         crc = crc32(view[start:start + _BLOCK], crc)

@@ -29,7 +29,7 @@ from plait.checkpoint.default_planner import DefaultSavePlanner
 from plait.checkpoint.driver import save_with
 from plait.checkpoint.flatten import flatten
 from plait.checkpoint.group import CheckpointError, Group
-from plait.checkpoint.metadata import METADATA_FILE, Metadata
+from plait.checkpoint.metadata import Metadata
 from plait.checkpoint.planner import ChunkSavePlan, ChunkWrite
 from plait.checkpoint.planner_api import SavePlanner
 from plait.checkpoint.stateful import expand
@@ -106,9 +106,9 @@ def write_own(p: Prepared, items: list[ChunkWrite]) -> BaseException | None:
 
 
 def read_committed(path: str) -> Metadata:
-    where = os.path.join(path, METADATA_FILE)
-    with open(where, "rb") as f:
-        return Metadata.from_json(f.read(), where=where)
+    from plait.checkpoint.validate import read
+
+    return read(path)
 
 
 def builtin_errors(e: CheckpointException, group: Group) -> BaseException:

@@ -4,7 +4,8 @@
         (thread_count threads, a file each: __R_T.safetensors; single_file_per_rank=False:
         a file per chunk)
     reader.read_metadata() -> Metadata          (refuses an incomplete checkpoint, says why;
-        metadata.json's own crc32 checked)
+        metadata.json's own crc32 and every field checked: validate.py; files opened
+        only inside the folder, regular files, no links: confine.py)
 A corrupt byte raises CorruptCheckpointError naming the file (the tensor where there is
 one), the checkpoint, and the previous complete one beside it (integrity.describe).
 
@@ -33,11 +34,10 @@ from typing import Any
 
 import torch
 
-from plait.checkpoint import commit, integrity
+from plait.checkpoint import commit, integrity, validate
 from plait.checkpoint import values as values_mod
 from plait.checkpoint.default_planner import LAYOUTS
 from plait.checkpoint.metadata import (
-    METADATA_FILE,
     ChunkMeta,
     CorruptCheckpointError,
     FileMeta,
@@ -225,11 +225,8 @@ class FileSystemReader(PlansAsGiven, StorageReader):
         problem = commit.status(self.path)
         if problem is not None:
             raise ValueError(problem)
-        where = os.path.join(self.path, METADATA_FILE)
-        with open(where, "rb") as f:
-            data = f.read()
         try:
-            md = Metadata.from_json(data, where=where)
+            md = validate.read(self.path)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(integrity.describe(self.path, str(e))) from None
         self._file_meta, self._fqns = md.file_meta, defaultdict(list)

@@ -8,23 +8,23 @@
                                   (non-tensor values in its __metadata__["plait.values"], JSON)
     import-torch-dcp DIR OUT      a torch.distributed.checkpoint directory -> plait checkpoint
 
-Each reads through the same checked path as load (storage.FileSystemReader), one process.
+Each reads through the same checked path as load (validate.read: metadata.json's fields, names
+and tiling, before any tensor file is opened; then each file and chunk), one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pickle
 import sys
 
 import torch
 
-from plait.checkpoint import commit, integrity
-from plait.checkpoint.metadata import METADATA_FILE, Metadata, dtype_from_name
-from plait.checkpoint.safetensors_io import ChunkError, check_file, read_chunk
+from plait.checkpoint import commit, integrity, validate
+from plait.checkpoint.metadata import CorruptCheckpointError, Metadata, dtype_from_name
+from plait.checkpoint.safetensors_io import check_file, read_chunk
 from plait.checkpoint.storage import FileSystemReader
 
 
@@ -39,8 +39,8 @@ def inspect(path: str) -> str:
              f"saved by {md.world_size} rank(s) into {len(md.files)} file(s)"]
     for fqn, t in md.tensors.items():
         lay = t.layout
-        where = (f"mesh {tuple(lay['mesh_shape'])} {tuple(lay.get('mesh_dim_names') or ())} "
-                 f"[{', '.join(lay['placements'])}]" if lay.get("placements") else lay.get("from", "plain"))
+        where = (f"mesh {tuple(lay.get('mesh_shape', ()))} {tuple(lay.get('mesh_dim_names') or ())} "
+                 f"[{', '.join(map(str, lay['placements']))}]" if lay.get("placements") else lay.get("from", "plain"))
         lines.append(f"  {fqn:<40} {t.dtype:<9} {str(tuple(t.shape)):<16} {where}, {len(t.chunks)} chunk(s)")
     for fqn, v in md.values.items():
         lines.append(f"  {fqn:<40} value {json.dumps(v)[:60]}")
@@ -48,11 +48,16 @@ def inspect(path: str) -> str:
 
 
 def full_tensor(reader: FileSystemReader, md: Metadata, fqn: str) -> torch.Tensor:
+    """The whole tensor from its chunks. They tile it exactly (validate.py), so every element of
+    `out` is written; it is allocated once every chunk has been read (and so found in its file)."""
     t = md.tensors[fqn]
     dtype = dtype_from_name(t.dtype)
+    chunks = [(c, read_chunk(os.path.join(reader.path, c.file), c, fqn=fqn).view(dtype).view(c.sizes))
+              for c in t.chunks]
+    if len(chunks) == 1 and list(chunks[0][0].sizes) == list(t.shape):
+        return chunks[0][1]
     out = torch.empty(t.shape, dtype=dtype)
-    for c in t.chunks:
-        src = read_chunk(os.path.join(reader.path, c.file), c, fqn=fqn).view(dtype).view(c.sizes)
+    for c, src in chunks:
         dst = out
         for d, (o, n) in enumerate(zip(c.offsets, c.sizes)):
             dst = dst.narrow(d, o, n)
@@ -76,9 +81,10 @@ def _file_problems(path: str, md: Metadata) -> tuple[list[str], set[str]]:
             continue
         try:
             check_file(os.path.join(path, file), meta, file=file, fqns=[f for _, _, f in spans])
-        except ChunkError as e:
+        except CorruptCheckpointError as e:  # missing, truncated, damaged; a link or a FIFO
             problems.append(str(e))
-            missing |= {file} if not os.path.exists(os.path.join(path, file)) else set()
+            missing |= {file} if not os.path.isfile(os.path.join(path, file)) or os.path.islink(
+                os.path.join(path, file)) else set()
         at = meta.header_nbytes
         for begin, nbytes, fqn in sorted(spans):
             if begin != at:
@@ -94,23 +100,18 @@ def verify(path: str) -> list[str]:
     problem = commit.status(path)
     if problem is not None:
         return [problem]
-    where = os.path.join(path, METADATA_FILE)
     try:
-        with open(where, "rb") as f:
-            md = Metadata.from_json(f.read(), where=where)
+        md = validate.read(path)  # names, byte ranges, the tiling: checked before any file is opened
     except (ValueError, OSError) as e:
         return [str(e)]
     problems, missing = _file_problems(path, md)
     for fqn, t in md.tensors.items():
-        covered = sum(math.prod(c.sizes) for c in t.chunks)
-        if covered != math.prod(t.shape):
-            problems.append(f"tensor {fqn!r}: chunks cover {covered} of {math.prod(t.shape)} elements")
         for c in t.chunks:
             if c.file in missing:  # said once, by _file_problems
                 continue
             try:
                 read_chunk(os.path.join(path, c.file), c, fqn=fqn)
-            except ChunkError as e:
+            except CorruptCheckpointError as e:
                 problems.append(str(e))
     return problems
 

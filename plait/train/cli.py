@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"(plait plan: {best.time.step_s * 1e3:.2f} ms/step, {best.memory.total / 2**20:.1f} MiB/rank): "
                       + " ".join(best.layout.choice.overrides()), flush=True)
         _, dims = check(config, world)
+        if not print_config:
+            from plait.train.checkpointing import check_resume
+
+            check_resume(config)
     except (ValueError, TypeError) as e:
         print(f"plait train: {e}", file=sys.stderr)
         return 2

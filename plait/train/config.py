@@ -113,7 +113,14 @@ class Checkpoint:
     interval: int = 0  # save every N steps (0: only at the end)
     async_mode: bool = True
     keep_latest_k: int = 0  # 0: keep all
-    resume: bool = True  # start from the latest complete checkpoint in `folder`
+    resume: bool = True  # start from the latest complete checkpoint in `folder` (its model config must be this one's)
+    # a checkpoint (a step-N folder) this run starts from when `folder` has none to resume: a new
+    # run from another's weights, e.g. fine-tuning them into a changed model (torchtitan's name)
+    initial_load_path: str = ""
+    # with initial_load_path: load the model only (step 0, a fresh optimizer, schedule and data;
+    # the model may differ: keys the checkpoint lacks keep their init, a shape change is an error);
+    # false: the whole training state, as a resume (the same model config)
+    initial_load_model_only: bool = True
     export_safetensors: bool = False  # the model in the Hugging Face layout in {job.dir}/hf at the end
 
 

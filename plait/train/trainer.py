@@ -35,6 +35,7 @@ from plait.train.checkpointing import (
     agreed_latest,
     export_safetensors,
 )
+from plait.train.checkpointing import load as load_checkpoint
 from plait.train.config import JobConfig
 from plait.train.data import BatchStream, val_batches
 from plait.train.grads import grad_norm_sq, reduce_partial_grads
@@ -159,11 +160,13 @@ def train(config: JobConfig) -> TrainResult:
     state = TrainState(parts.modules, optimizers, schedulers, stream, config.to_dict())
     checkpointer = Checkpointer(folder, async_mode=ck.async_mode, keep_latest_k=ck.keep_latest_k,
                                 is_rank0=rank == 0) if ck.enabled else None
-    start = 0
+    start, found = 0, None
     if checkpointer is not None and ck.resume:
         found = agreed_latest(folder, group=comm.world_group())
         if found is not None:
-            start = checkpointer.load(state, found[1])
+            start = load_checkpoint(state, found[1], config=config)
+    if found is None and ck.initial_load_path:  # a new run from another's checkpoint
+        start = load_checkpoint(state, Path(ck.initial_load_path), config=config, model_only=ck.initial_load_model_only)
     result.start_step = start
     device_type = meshes.world.device_type
     fpt = M.flops_per_token(args, t.seq_len)
