@@ -29,7 +29,8 @@ class DeviceMesh:
     """An N-D mesh of global ranks, torch's `DeviceMesh` by name and meaning.
 
     `mesh` is an int tensor (or nested list) of global ranks; every rank of the job
-    constructs the same mesh. A rank outside it gets `get_coordinate() is None`.
+    constructs the same mesh. A rank outside it gets `get_coordinate() is None`, makes no
+    group, and holds empty local tensors for the mesh's DTensors (as in torch).
     """
 
     def __init__(
@@ -110,6 +111,11 @@ class DeviceMesh:
     def get_rank(self) -> int:
         """This process's global rank."""
         return comm.global_rank()
+
+    def _is_current_rank_part_of_mesh(self) -> bool:
+        """Whether this rank is in the mesh. A rank outside it (torch's non-participating
+        rank) holds empty local tensors for the mesh's DTensors and takes part in nothing."""
+        return self._coordinate is not None
 
     def get_coordinate(self) -> list[int] | None:
         """This rank's index along every axis, or None if it is not in the mesh."""

@@ -57,8 +57,6 @@ def distribute_tensor(
         raise ValueError(f"distribute_tensor got a DTensor with placements {tensor.placements} on "
                          f"{tensor.device_mesh}; use redistribute to move it to {placements}")
     coordinate = device_mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError(f"global rank {device_mesh.get_rank()} is not in {device_mesh}")
     if src_data_rank is not None and not all(0 <= src_data_rank < n for n in device_mesh.shape):
         raise ValueError(f"src_data_rank {src_data_rank} is not a coordinate on every axis of a mesh "
                          f"of shape {device_mesh.shape}")
@@ -66,6 +64,11 @@ def distribute_tensor(
     source = tensor.detach()
     if source.device.type != device_mesh.device_type:
         source = source.to(device_mesh.device_type)
+    spec = DTensorSpec(device_mesh, placements, tuple(tensor.shape),
+                       tuple(tensor.stride()) if tensor.is_contiguous() else _contiguous(tensor.shape),
+                       tensor.dtype)
+    if coordinate is None:  # a rank outside the mesh holds an empty piece and sends nothing
+        return DTensor(source.new_empty(0), spec, requires_grad=requires_grad)
     local = source
     # a _StridedShard axis cuts its dim last (placement.shard_order): scatter the others,
     # keep that axis whole, then cut the local piece by it (no communication)
@@ -90,9 +93,6 @@ def distribute_tensor(
     if local.numel() and local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
         local = local.clone()
     local = local.contiguous()
-    spec = DTensorSpec(device_mesh, placements, tuple(tensor.shape),
-                       tuple(tensor.stride()) if tensor.is_contiguous() else _contiguous(tensor.shape),
-                       tensor.dtype)
     return DTensor(local, spec, requires_grad=requires_grad)
 
 

@@ -61,8 +61,9 @@ class DTensorSpec:
     def _local_info(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if self._local is None:
             coordinate = self.mesh.get_coordinate()
-            if coordinate is None:
-                raise ValueError(f"global rank {self.mesh.get_rank()} is not in {self.mesh}")
+            if coordinate is None:  # outside the mesh: an empty piece at no offset (torch's)
+                self._local = ((0,), ())
+                return self._local
             self._local = local_shape_and_offset(self.shape, self.placements, self.mesh.shape, coordinate)
         return self._local
 
