@@ -4,7 +4,7 @@
         per mesh axis in order:  Shard -> coordinate src scatters the pieces (an all-to-all
         in which only src sends); Replicate -> src broadcasts; Partial -> src broadcasts,
         then coordinate 0 keeps the value and the others hold zeros (avg/max/min: all keep)
-        src_data_rank=None: no communication, every rank cuts its own tensor
+        src_data_rank=None, or a meta tensor: no communication, every rank cuts its own tensor
     distribute_module(module, mesh, partition_fn, input_fn, output_fn)
         partition_fn(name, submodule, mesh) per submodule, then every parameter and buffer
         still plain is replicated; input_fn / output_fn become forward (pre-)hooks
@@ -62,7 +62,9 @@ def distribute_tensor(
                          f"of shape {device_mesh.shape}")
     requires_grad = tensor.requires_grad
     source = tensor.detach()
-    if source.device.type != device_mesh.device_type:
+    if source.is_meta:
+        src_data_rank = None  # no data to send: every rank cuts its own meta piece (torch's)
+    elif source.device.type != device_mesh.device_type:
         source = source.to(device_mesh.device_type)
     spec = DTensorSpec(device_mesh, placements, tuple(tensor.shape),
                        tuple(tensor.stride()) if tensor.is_contiguous() else _contiguous(tensor.shape),
@@ -90,7 +92,8 @@ def distribute_tensor(
         if type(p) is _StridedShard:
             size, start = chunk_offset(local.size(p.dim), device_mesh.size(axis), coordinate[axis])
             local = local.narrow(p.dim, start, size)
-    if local.numel() and local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+    if not local.is_meta and local.numel() and \
+            local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
         local = local.clone()
     local = local.contiguous()
     return DTensor(local, spec, requires_grad=requires_grad)
