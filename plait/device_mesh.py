@@ -23,6 +23,17 @@ from torch.distributed import ProcessGroup
 from plait import comm
 
 Axis = tuple[int, ...]  # root axes that one mesh axis spans, in increasing order
+# the meshes of the `with mesh:` blocks this thread is in, innermost last (torch's
+# _mesh_resources.mesh_stack): distribute_tensor, from_local, ... default to the innermost
+_mesh_stack: list[DeviceMesh] = []
+
+
+def _current_mesh() -> DeviceMesh:
+    """The mesh of the innermost `with mesh:` block (torch's get_current_mesh)."""
+    if not _mesh_stack:
+        raise RuntimeError("No device mesh is currently active! Pass device_mesh=, or run inside "
+                           "`with mesh:`")
+    return _mesh_stack[-1]
 
 
 class DeviceMesh:
@@ -199,6 +210,16 @@ class DeviceMesh:
         """A 1-D mesh over an existing group's ranks, using that group."""
         ranks = list(comm.group_info(group).ranks)
         return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _groups=[group])
+
+    # -- the current mesh (torch's context manager) -----------------------------------------
+
+    def __enter__(self) -> DeviceMesh:
+        _mesh_stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert _mesh_stack and _mesh_stack[-1] is self, "`with mesh:` blocks must nest"
+        _mesh_stack.pop()
 
     # -- identity ----------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.device_mesh import DeviceMesh
+from plait.device_mesh import DeviceMesh, _current_mesh
 from plait.tensor import strided
 from plait.tensor.dtensor import DTensor
 from plait.tensor.placement import (
@@ -49,7 +49,7 @@ def distribute_tensor(
 ) -> DTensor:
     """Distribute `tensor` (group rank `src_data_rank`'s on every mesh axis) over the mesh."""
     if device_mesh is None:
-        raise ValueError("distribute_tensor needs a device_mesh")
+        device_mesh = _current_mesh()  # torch's: the innermost `with mesh:` block's
     placements = normalize(placements or [Replicate()] * device_mesh.ndim, tensor.dim(), device_mesh.ndim)
     if isinstance(tensor, DTensor):
         if same_mesh(tensor.device_mesh, device_mesh) and tensor.placements == placements:
@@ -132,7 +132,7 @@ def distribute_module(
     if getattr(module, "_distribute_module_applied", False):
         raise RuntimeError("distribute_module was already applied to this module; apply it once")
     if device_mesh is None:
-        raise ValueError("distribute_module needs a device_mesh")
+        device_mesh = _current_mesh()
     for name, submodule in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, submodule, device_mesh)
@@ -164,8 +164,9 @@ def _hook_fn(fn: Callable, what: str, value: str) -> Callable:
     if n_args == 3:
         return fn
     if n_args == 2:
-        warnings.warn(f"{what}({value}, device_mesh) is deprecated, as in torch; take "
-                      f"(module, {value}, device_mesh)", FutureWarning, stacklevel=3)
+        # torch's text, word for word ("inputs" for output_fn too): tests match it
+        warnings.warn(f"Deprecating {what} that takes two arguments (inputs, device_mesh), please use "
+                      f"{what} that takes in (module, inputs, device_mesh) instead!", FutureWarning, stacklevel=3)
         return lambda mod, x, mesh: fn(x, mesh)
     raise ValueError(f"{what} takes {n_args} arguments; it must take (module, {value}, device_mesh)")
 

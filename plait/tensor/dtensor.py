@@ -93,7 +93,9 @@ class DTensor(torch.Tensor):
         if isinstance(local_tensor, DTensor):
             raise TypeError("from_local takes a torch.Tensor, got a DTensor; use redistribute")
         if device_mesh is None:
-            raise ValueError("from_local needs a device_mesh")
+            from plait.device_mesh import _current_mesh
+
+            device_mesh = _current_mesh()  # torch's: the innermost `with mesh:` block's
         if local_tensor.device.type != device_mesh.device_type and not local_tensor.is_meta:
             local_tensor = local_tensor.to(device_mesh.device_type)
         ndim = local_tensor.dim()
