@@ -211,6 +211,23 @@ class DeviceMesh:
         ranks = list(comm.group_info(group).ranks)
         return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _groups=[group])
 
+    # -- pickling (torch.save of a DTensor) ------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        # process groups do not pickle; a loaded mesh looks its groups up again by their
+        # ranks (comm.new_group returns the group this process already made), as torch's
+        # DeviceMesh does by group name
+        state = dict(self.__dict__)
+        state["_groups"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._coordinate is None:
+            self._groups = (None,) * self.mesh.dim()
+        else:
+            self._groups = tuple(comm.new_group(self._slice_ranks(i)) for i in range(self.mesh.dim()))
+
     # -- the current mesh (torch's context manager) -----------------------------------------
 
     def __enter__(self) -> DeviceMesh:
