@@ -23,13 +23,25 @@ from torch.distributed import ProcessGroup
 from plait import comm
 
 Axis = tuple[int, ...]  # root axes that one mesh axis spans, in increasing order
+# the meshes of the `with mesh:` blocks this thread is in, innermost last (torch's
+# _mesh_resources.mesh_stack): distribute_tensor, from_local, ... default to the innermost
+_mesh_stack: list[DeviceMesh] = []
+
+
+def _current_mesh() -> DeviceMesh:
+    """The mesh of the innermost `with mesh:` block (torch's get_current_mesh)."""
+    if not _mesh_stack:
+        raise RuntimeError("No device mesh is currently active! Pass device_mesh=, or run inside "
+                           "`with mesh:`")
+    return _mesh_stack[-1]
 
 
 class DeviceMesh:
     """An N-D mesh of global ranks, torch's `DeviceMesh` by name and meaning.
 
     `mesh` is an int tensor (or nested list) of global ranks; every rank of the job
-    constructs the same mesh. A rank outside it gets `get_coordinate() is None`.
+    constructs the same mesh. A rank outside it gets `get_coordinate() is None`, makes no
+    group, and holds empty local tensors for the mesh's DTensors (as in torch).
     """
 
     def __init__(
@@ -110,6 +122,11 @@ class DeviceMesh:
     def get_rank(self) -> int:
         """This process's global rank."""
         return comm.global_rank()
+
+    def _is_current_rank_part_of_mesh(self) -> bool:
+        """Whether this rank is in the mesh. A rank outside it (torch's non-participating
+        rank) holds empty local tensors for the mesh's DTensors and takes part in nothing."""
+        return self._coordinate is not None
 
     def get_coordinate(self) -> list[int] | None:
         """This rank's index along every axis, or None if it is not in the mesh."""
@@ -193,6 +210,33 @@ class DeviceMesh:
         """A 1-D mesh over an existing group's ranks, using that group."""
         ranks = list(comm.group_info(group).ranks)
         return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _groups=[group])
+
+    # -- pickling (torch.save of a DTensor) ------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        # process groups do not pickle; a loaded mesh looks its groups up again by their
+        # ranks (comm.new_group returns the group this process already made), as torch's
+        # DeviceMesh does by group name
+        state = dict(self.__dict__)
+        state["_groups"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._coordinate is None:
+            self._groups = (None,) * self.mesh.dim()
+        else:
+            self._groups = tuple(comm.new_group(self._slice_ranks(i)) for i in range(self.mesh.dim()))
+
+    # -- the current mesh (torch's context manager) -----------------------------------------
+
+    def __enter__(self) -> DeviceMesh:
+        _mesh_stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert _mesh_stack and _mesh_stack[-1] is self, "`with mesh:` blocks must nest"
+        _mesh_stack.pop()
 
     # -- identity ----------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from plait.comm.events import (
 from plait.comm.gathers import all_gather, all_to_all, reduce_scatter
 from plait.comm.group import (
     GroupInfo,
+    StaleGroupError,
     default_backend,
     destroy_process_group,
     get_global_rank,
@@ -54,7 +55,7 @@ from plait.comm.work import Handle
 
 __all__ = [
     "CommEvent", "CommListener", "GroupInfo", "Handle", "P2POp", "PreparedAllReduce", "PreparedBroadcast",
-    "functional",
+    "StaleGroupError", "functional",
     "add_listener", "all_gather", "all_reduce", "all_to_all", "autograd", "barrier",
     "batch_isend_irecv", "broadcast", "choose_algorithm", "default_backend",
     "destroy_process_group", "get_global_rank", "group_device", "get_rank", "get_world_size", "global_rank",

@@ -5,6 +5,15 @@ Every collective in plait names its group explicitly. This file turns a c10d
 backend, its sequence counter) and creates each sub-group exactly once per process:
 `new_group((0, 2))` called by a device mesh, a sub-mesh and a strategy returns the same
 group, so nothing grows with the number of calls (pytorch#153302).
+
+The caches belong to one life of c10d's default group: a job (a test suite, a notebook, an
+in-process elastic restart) may call `torch.distributed.destroy_process_group()` and
+`init_process_group()` again, and c10d then reuses group names ("0", "1", ...) for new
+groups. Each cached entry holds the group object it describes, and a lookup checks that
+object is the one asked about and still in c10d's map of live groups (a pointer compare and
+one dict probe, ~40 ns on a collective's path); otherwise the caches follow the default group
+(emptied when it changed), and a handle from an old life (a mesh or group kept across the
+re-init, or one destroyed alone) fails with `StaleGroupError` naming it, never runs on stale facts.
 """
 
 from __future__ import annotations
@@ -16,8 +25,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed import distributed_c10d as _c10d
 
 from plait.comm import shutdown
+
+_world = _c10d._world  # c10d's state; _world._default_pg is the default group's life
+_live = _world.pg_map  # every live group; c10d clears and deletes from it, never rebinds it
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -30,6 +43,8 @@ class GroupInfo:
     ranks: tuple[int, ...]  # global ranks, in group-rank order
     rank: int  # this process's rank within the group
     backend: str
+    # the group described: a lookup by name checks it is the same object (module docstring)
+    group: ProcessGroup | None = field(default=None, repr=False, compare=False)
     seq: int = 0  # collectives issued on this group by this rank
     # p2p ops per (kind, peer): the n-th send a->b matches b's n-th recv from a, whatever
     # collectives the other members run in between
@@ -42,6 +57,30 @@ class GroupInfo:
 
 _infos: dict[str, GroupInfo] = {}
 _groups_by_ranks: dict[tuple[int, ...], ProcessGroup] = {}
+_cached_under: ProcessGroup | None = None  # the default group the caches were filled under
+
+
+class StaleGroupError(RuntimeError):
+    """A group used after it (or the default group it was made under) was destroyed."""
+
+
+def _follow_default_group() -> None:
+    """Empty the caches if c10d's default group is not the one they were filled under."""
+    global _cached_under
+    if _cached_under is not _world._default_pg:
+        _infos.clear()
+        _groups_by_ranks.clear()
+        _cached_under = _world._default_pg
+
+
+def _check_alive(group: ProcessGroup) -> None:
+    if group not in _live:
+        name = getattr(group, "group_name", "?")
+        raise StaleGroupError(
+            f"process group {name!r} (size {group.size()}) was destroyed (destroy_process_group, "
+            "or a new init_process_group since it was made); build meshes and groups again from "
+            "the running default group"
+        )
 
 
 def _env_int(name: str) -> int | None:
@@ -128,10 +167,12 @@ def init_process_group(
 
 def destroy_process_group() -> None:
     """Destroy every process group and forget the cached groups."""
+    global _cached_under
     if dist.is_initialized():
         dist.destroy_process_group()
     _infos.clear()
     _groups_by_ranks.clear()
+    _cached_under = None
 
 
 def is_initialized() -> bool:
@@ -165,7 +206,9 @@ def group_info(group: ProcessGroup) -> GroupInfo:
         )
     name = group.group_name
     info = _infos.get(name)
-    if info is None:
+    if info is None or info.group is not group or group not in _live:
+        _follow_default_group()
+        _check_alive(group)
         ranks = tuple(dist.get_process_group_ranks(group))
         me = dist.get_rank()
         if me not in ranks:
@@ -173,7 +216,7 @@ def group_info(group: ProcessGroup) -> GroupInfo:
         backend = str(dist.get_backend(group))
         if backend == "gloo":
             shutdown.arm()  # a group started by torch's own init_process_group
-        info = _infos[name] = GroupInfo(name, ranks, ranks.index(me), backend)
+        info = _infos[name] = GroupInfo(name, ranks, ranks.index(me), backend, group)
     return info
 
 
@@ -203,8 +246,16 @@ def new_group(ranks: list[int] | tuple[int, ...]) -> ProcessGroup:
     ask for their groups in the same order, as every SPMD program does.
     """
     key = tuple(sorted(int(r) for r in ranks))  # c10d orders group ranks by global rank
+    _follow_default_group()
     group = _groups_by_ranks.get(key)
     if group is not None:
+        if group not in _live:
+            # c10d names a locally synchronized group by its ranks, so a second one for the
+            # same ranks in one life would rendezvous under the first one's store keys (hangs)
+            raise StaleGroupError(
+                f"the group of global ranks {list(key)} was destroyed on its own and c10d cannot "
+                "make another for the same ranks until the default group is started again"
+            )
         return group
     world = world_size()
     if len(set(key)) != len(key) or not key:

@@ -16,6 +16,9 @@ import threading
 from collections import Counter
 from typing import Any
 
+import torch
+from torch.utils.module_tracker import ModuleTracker
+
 from plait.comm import events
 
 # torch's CommDebugMode keys its counts by op packet: the functional collectives
@@ -55,6 +58,19 @@ class CommCounts(Counter):
         return super().get(_op_name(key), default)
 
 
+class _Modules(ModuleTracker):
+    """torch's module tracker (`parents`, `is_bw`), silent while torch.compile traces: a
+    compiled module's collectives count under "Global" only, as in torch's CommDebugMode."""
+
+    def _fw_pre_hook(self, mod, input) -> None:  # noqa: A002 - torch's signature
+        if not torch.compiler.is_compiling():
+            super()._fw_pre_hook(mod, input)
+
+    def _fw_post_hook(self, mod, input, output) -> None:  # noqa: A002 - torch's signature
+        if not torch.compiler.is_compiling():
+            super()._fw_post_hook(mod, input, output)
+
+
 class CommDebugMode(events.CommListener):
     """Context manager counting collectives by op and bytes sent by this rank."""
 
@@ -63,12 +79,26 @@ class CommDebugMode(events.CommListener):
         self.comm_counts: CommCounts = CommCounts()
         self.comm_bytes: CommCounts = CommCounts()
         self.events: list[events.CommEvent] = []
+        # torch's per-module view: module fqn ("Global" for everything, else the root module's
+        # class name and the dotted path) -> {"forward": counts, "backward": counts}; an op
+        # counts for its module and every module around it, as in torch
+        self.comm_module_counts: dict[str, dict[str, CommCounts]] = {}
+        self._modules: _Modules | None = None
 
     def on_start(self, event: events.CommEvent) -> None:
         with self._lock:
             self.comm_counts[event.op] += 1
             self.comm_bytes[event.op] += event.bytes_sent
             self.events.append(event)
+            tracker = self._modules
+            if tracker is not None:
+                phase = "backward" if tracker.is_bw else "forward"
+                for fqn in tracker.parents:
+                    counts = self.comm_module_counts.get(fqn)
+                    if counts is None:
+                        counts = self.comm_module_counts[fqn] = {"forward": CommCounts(),
+                                                                 "backward": CommCounts()}
+                    counts[phase][event.op] += 1
 
     def get_total_counts(self) -> int:
         """Number of collective and p2p ops issued inside the block."""
@@ -90,8 +120,15 @@ class CommDebugMode(events.CommListener):
             self.comm_counts.clear()
             self.comm_bytes.clear()
             self.events.clear()
+            self.comm_module_counts.clear()
+            self.comm_module_counts["Global"] = {"forward": CommCounts(), "backward": CommCounts()}
+        self._modules = _Modules()
+        self._modules.__enter__()
         events.add_listener(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         events.remove_listener(self)
+        tracker, self._modules = self._modules, None
+        if tracker is not None:
+            tracker.__exit__(*exc)

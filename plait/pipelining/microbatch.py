@@ -30,6 +30,16 @@ class TensorChunkSpec:
         if not isinstance(self.split_dim, int):
             raise TypeError(f"TensorChunkSpec.split_dim must be an int, got {self.split_dim!r}")
 
+    @staticmethod
+    def from_tuple(chunk_dims: tuple[int, ...]) -> tuple[TensorChunkSpec, ...]:
+        """One spec per positional argument, from its split dim (torch's helper)."""
+        return tuple(TensorChunkSpec(dim) for dim in chunk_dims)
+
+    @staticmethod
+    def from_dict(chunk_dims: dict[str, int]) -> dict[str, TensorChunkSpec]:
+        """One spec per keyword argument, from its split dim (torch's helper)."""
+        return {name: TensorChunkSpec(dim) for name, dim in chunk_dims.items()}
+
 
 class _Replicate:
     """Give the whole value to every microbatch (torch's `_Replicate`)."""

@@ -4,7 +4,7 @@
         per mesh axis in order:  Shard -> coordinate src scatters the pieces (an all-to-all
         in which only src sends); Replicate -> src broadcasts; Partial -> src broadcasts,
         then coordinate 0 keeps the value and the others hold zeros (avg/max/min: all keep)
-        src_data_rank=None: no communication, every rank cuts its own tensor
+        src_data_rank=None, or a meta tensor: no communication, every rank cuts its own tensor
     distribute_module(module, mesh, partition_fn, input_fn, output_fn)
         partition_fn(name, submodule, mesh) per submodule, then every parameter and buffer
         still plain is replicated; input_fn / output_fn become forward (pre-)hooks
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.device_mesh import DeviceMesh
+from plait.device_mesh import DeviceMesh, _current_mesh
 from plait.tensor import redistribute as redist
 from plait.tensor import strided
 from plait.tensor.dtensor import DTensor
@@ -51,7 +51,7 @@ def distribute_tensor(
 ) -> DTensor:
     """Distribute `tensor` (group rank `src_data_rank`'s on every mesh axis) over the mesh."""
     if device_mesh is None:
-        raise ValueError("distribute_tensor needs a device_mesh")
+        device_mesh = _current_mesh()  # torch's: the innermost `with mesh:` block's
     placements = normalize(placements or [Replicate()] * device_mesh.ndim, tensor.dim(), device_mesh.ndim)
     if isinstance(tensor, DTensor):
         if same_mesh(tensor.device_mesh, device_mesh) and tensor.placements == placements:
@@ -59,15 +59,20 @@ def distribute_tensor(
         raise ValueError(f"distribute_tensor got a DTensor with placements {tensor.placements} on "
                          f"{tensor.device_mesh}; use redistribute to move it to {placements}")
     coordinate = device_mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError(f"global rank {device_mesh.get_rank()} is not in {device_mesh}")
     if src_data_rank is not None and not all(0 <= src_data_rank < n for n in device_mesh.shape):
         raise ValueError(f"src_data_rank {src_data_rank} is not a coordinate on every axis of a mesh "
                          f"of shape {device_mesh.shape}")
     requires_grad = tensor.requires_grad
     source = tensor.detach()
-    if source.device.type != device_mesh.device_type:
+    if source.is_meta:
+        src_data_rank = None  # no data to send: every rank cuts its own meta piece (torch's)
+    elif source.device.type != device_mesh.device_type:
         source = source.to(device_mesh.device_type)
+    spec = DTensorSpec(device_mesh, placements, tuple(tensor.shape),
+                       tuple(tensor.stride()) if tensor.is_contiguous() else _contiguous(tensor.shape),
+                       tensor.dtype)
+    if coordinate is None:  # a rank outside the mesh holds an empty piece and sends nothing
+        return DTensor(source.new_empty(0), spec, requires_grad=requires_grad)
     local = source
     # a _StridedShard axis cuts its dim last (placement.shard_order): scatter the others,
     # keep that axis whole, then cut the local piece by it (no communication)
@@ -91,12 +96,10 @@ def distribute_tensor(
             sf, n = blocks.get(axis, 1), device_mesh.size(axis)
             sizes = tuple(sf * c for c in chunk_sizes(local.size(p.dim) // sf, n))
             local = redist._chunk(local, redist.Step("chunk", axis, p.dim, sizes, blocks=sf), coordinate)
-    if local.numel() and local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+    if not local.is_meta and local.numel() and \
+            local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
         local = local.clone()
     local = local.contiguous()
-    spec = DTensorSpec(device_mesh, placements, tuple(tensor.shape),
-                       tuple(tensor.stride()) if tensor.is_contiguous() else _contiguous(tensor.shape),
-                       tensor.dtype)
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
@@ -133,7 +136,7 @@ def distribute_module(
     if getattr(module, "_distribute_module_applied", False):
         raise RuntimeError("distribute_module was already applied to this module; apply it once")
     if device_mesh is None:
-        raise ValueError("distribute_module needs a device_mesh")
+        device_mesh = _current_mesh()
     for name, submodule in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, submodule, device_mesh)
@@ -165,8 +168,9 @@ def _hook_fn(fn: Callable, what: str, value: str) -> Callable:
     if n_args == 3:
         return fn
     if n_args == 2:
-        warnings.warn(f"{what}({value}, device_mesh) is deprecated, as in torch; take "
-                      f"(module, {value}, device_mesh)", FutureWarning, stacklevel=3)
+        # torch's text, word for word ("inputs" for output_fn too): tests match it
+        warnings.warn(f"Deprecating {what} that takes two arguments (inputs, device_mesh), please use "
+                      f"{what} that takes in (module, inputs, device_mesh) instead!", FutureWarning, stacklevel=3)
         return lambda mod, x, mesh: fn(x, mesh)
     raise ValueError(f"{what} takes {n_args} arguments; it must take (module, {value}, device_mesh)")
 

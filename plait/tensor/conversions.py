@@ -29,8 +29,10 @@ def redistribute_local(x: DTensor, placements: tuple[Placement, ...], *, async_o
     result shares no memory with `x` when the placements change (a user-facing result
     must not alias a tensor with another layout)."""
     spec = x._spec
-    steps = redist.plan_for(spec, placements)
     local = x._local_tensor
+    if spec.mesh._coordinate is None:
+        return local  # outside the mesh: an empty piece that takes part in no collective
+    steps = redist.plan_for(spec, placements)
     out = redist.run(local, steps, spec.mesh, async_op=async_op)
     if copy and steps and isinstance(out, torch.Tensor) and _aliases(out, local):
         out = out.clone()

@@ -95,7 +95,9 @@ class DTensor(torch.Tensor):
         if isinstance(local_tensor, DTensor):
             raise TypeError("from_local takes a torch.Tensor, got a DTensor; use redistribute")
         if device_mesh is None:
-            raise ValueError("from_local needs a device_mesh")
+            from plait.device_mesh import _current_mesh
+
+            device_mesh = _current_mesh()  # torch's: the innermost `with mesh:` block's
         if local_tensor.device.type != device_mesh.device_type and not local_tensor.is_meta:
             local_tensor = local_tensor.to(device_mesh.device_type)
         ndim = local_tensor.dim()
@@ -103,12 +105,15 @@ class DTensor(torch.Tensor):
         if shape is None and stride is not None:
             raise ValueError("from_local got a stride without a shape; pass the global shape too")
         if shape is None:
-            shape = (checks.gathered_global_shape if run_check else checks.even_global_shape)(
+            gathered = run_check and device_mesh._coordinate is not None
+            shape = (checks.gathered_global_shape if gathered else checks.even_global_shape)(
                 local_tensor, device_mesh, placements)
         shape = tuple(int(s) for s in shape)
         if stride is None:
             stride = like_strides(shape, local_tensor.stride())
-        if run_check:
+        if device_mesh._coordinate is None:  # outside the mesh: an empty piece, no check (torch's)
+            local_tensor = local_tensor.new_empty(0, requires_grad=local_tensor.requires_grad)
+        elif run_check:
             local_tensor = checks.check_and_sync(local_tensor, device_mesh, placements, shape)
         spec = DTensorSpec(device_mesh, placements, shape, tuple(stride), local_tensor.dtype)
         if local_tensor.requires_grad and torch.is_grad_enabled():

@@ -51,6 +51,28 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def _split_tensor(self, tensor, num_chunks: int, *, with_padding: bool = True,
+                      contiguous: bool = True):
+        """torch's helper: `tensor` cut along `dim` into `num_chunks` torch.chunk pieces (empty
+        ones appended to reach `num_chunks`), each padded at its end to the first piece's size
+        when `with_padding`; returns (pieces, pad size of each piece, [] without padding)."""
+        import torch
+
+        if not 0 <= self.dim < tensor.dim():
+            raise ValueError(f"Shard({self.dim}) of a {tensor.dim()}-D tensor")
+        sizes = chunk_sizes(tensor.size(self.dim), num_chunks)
+        pieces = list(torch.split(tensor, sizes, dim=self.dim))
+        full = sizes[0]
+        pads = [full - s for s in sizes] if with_padding else []
+        out = []
+        for piece, pad in zip(pieces, pads or [0] * num_chunks):
+            if pad:
+                # F.pad's spec runs from the last dim backwards: (left, right) per dim
+                spec = [0, 0] * (tensor.dim() - 1 - self.dim) + [0, pad]
+                piece = torch.nn.functional.pad(piece, spec)
+            out.append(piece.contiguous() if contiguous else piece)
+        return out, pads
+
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 
@@ -178,8 +200,9 @@ def normalize(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tup
     """Validate a user's placements and make Shard dims non-negative."""
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
-        raise ValueError(f"{len(placements)} placements {list(placements)} for a {mesh_ndim}-D mesh; "
-                         "give one per mesh axis")
+        raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements "
+                         f"length: {len(placements)}, and device_mesh.ndim: {mesh_ndim} ({list(placements)}; "
+                         "give one per mesh axis)")
     out = []
     for p in placements:
         if not isinstance(p, Placement):

@@ -11,7 +11,7 @@ fallback plan (replicate everything, see fallback.py).
 
 from __future__ import annotations
 
-from plait.tensor import fallback, strided
+from plait.tensor import fallback, outsider, strided
 from plait.tensor import redistribute as redist
 from plait.tensor.dispatch import Plan
 from plait.tensor.dtensor import DTensor
@@ -60,6 +60,10 @@ def build(op, args, kwargs, dts: list[DTensor]) -> Plan:
     rules that know it (pointwise, foreach, reductions, *_like); for any other op, or a
     choice that is no valid layout, it is first gathered to its plain layout (strided.py)."""
     specs = [d._spec for d in dts]
+    if specs and specs[0].mesh._coordinate is None:  # this rank is outside the call's mesh
+        returns = _aliasing(op, _positions(args, kwargs))[1]
+        return outsider.plan(op, args, kwargs, specs[0].mesh, returns,
+                             lambda: _build(op, args, kwargs, dts, specs))
     if any(has_strided(s.placements) for s in specs):
         if RULES.get(op) in STRIDED_RULES:
             try:

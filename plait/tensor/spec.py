@@ -11,6 +11,8 @@ state training step creates no new spec at all.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from plait.device_mesh import DeviceMesh
@@ -21,7 +23,23 @@ from plait.tensor.placement import (
     Shard,
     _StridedShard,
     local_shape_and_offset,
+    shard_order,
 )
+
+
+class TensorMeta(NamedTuple):
+    """torch's global tensor metadata of a spec (torch.distributed.tensor._dtensor_spec)."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ShardOrderEntry(NamedTuple):
+    """One tensor dim and the mesh axes that cut it, in the order they cut (torch's)."""
+
+    tensor_dim: int
+    mesh_dims: tuple[int, ...]
 
 
 class DTensorSpec:
@@ -31,10 +49,20 @@ class DTensorSpec:
         self,
         mesh: DeviceMesh,
         placements: tuple[Placement, ...],
-        shape: tuple[int, ...],
-        stride: tuple[int, ...],
-        dtype: torch.dtype,
+        shape: tuple[int, ...] | TensorMeta | None = None,
+        stride: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        tensor_meta: TensorMeta | None = None,
+        shard_order: tuple[ShardOrderEntry, ...] | None = None,
     ) -> None:
+        # torch's spelling, DTensorSpec(mesh, placements, tensor_meta=TensorMeta(...)), too
+        if isinstance(shape, TensorMeta):
+            tensor_meta, shape = shape, None
+        if tensor_meta is not None:
+            shape, stride, dtype = tensor_meta
+        if shape is None or stride is None or dtype is None:
+            raise ValueError("a DTensorSpec needs the global shape, stride and dtype (or tensor_meta=)")
         self.mesh = mesh
         self.placements = placements
         self.shape = torch.Size(shape)
@@ -43,6 +71,20 @@ class DTensorSpec:
         self._hash: int | None = None
         self._local: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._token: int | None = None  # dispatch's int name for this value (dispatch._token)
+        if shard_order is not None and tuple(shard_order) != self.shard_order:
+            raise ValueError(f"shard_order {tuple(shard_order)} is not the order {list(placements)} cut in "
+                             f"({self.shard_order}); plait orders cuts by placements (_StridedShard) only")
+
+    @property
+    def tensor_meta(self) -> TensorMeta:
+        """torch's name for the global (shape, stride, dtype)."""
+        return TensorMeta(self.shape, self.stride, self.dtype)
+
+    @property
+    def shard_order(self) -> tuple[ShardOrderEntry, ...]:
+        """Per sharded tensor dim, the mesh axes that cut it in cutting order (torch's)."""
+        order = shard_order(self.placements, self.mesh.shape)
+        return tuple(ShardOrderEntry(dim, tuple(axes)) for dim, axes in sorted(order.items()))
 
     @property
     def ndim(self) -> int:
@@ -61,8 +103,9 @@ class DTensorSpec:
     def _local_info(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if self._local is None:
             coordinate = self.mesh.get_coordinate()
-            if coordinate is None:
-                raise ValueError(f"global rank {self.mesh.get_rank()} is not in {self.mesh}")
+            if coordinate is None:  # outside the mesh: an empty piece at no offset (torch's)
+                self._local = ((0,), ())
+                return self._local
             self._local = local_shape_and_offset(self.shape, self.placements, self.mesh.shape, coordinate)
         return self._local
 
@@ -122,4 +165,4 @@ def same_mesh(a: DeviceMesh, b: DeviceMesh) -> bool:
     return a is b or a == b
 
 
-__all__ = ["DTensorSpec", "same_mesh"]
+__all__ = ["DTensorSpec", "ShardOrderEntry", "TensorMeta", "same_mesh"]

@@ -45,7 +45,7 @@ def test_placements_are_small_hashable_values():
 
 def test_normalize_checks_and_makes_dims_non_negative():
     assert normalize([Shard(-1), R], 3, 2) == (Shard(2), R)
-    with pytest.raises(ValueError, match="1 placements .* for a 2-D mesh"):
+    with pytest.raises(ValueError, match=r"must have the same length as `device_mesh.ndim`! Found placements length: 1, and device_mesh.ndim: 2"):
         normalize([R], 2, 2)
     with pytest.raises(ValueError, match=r"Shard\(dim=3\) is out of range for a tensor with 2 dims"):
         normalize([Shard(3)], 2, 1)

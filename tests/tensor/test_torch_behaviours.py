@@ -1,0 +1,57 @@
+"""Smaller behaviours torch's DTensor tests rely on (issue 52's group 7): a DTensor saved with
+torch.save loads back on its mesh's groups, DeviceMesh as a context manager, and torch's
+texts where its tests match them."""
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from plait.device_mesh import DeviceMesh
+from plait.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from plait.testing import distributed
+
+from ._helpers import mesh_for
+
+
+@distributed([2])
+def test_dtensor_round_trips_through_torch_save(world_size):
+    mesh = mesh_for(world_size)
+    full = torch.arange(6.0).view(3, 2)
+    dt = distribute_tensor(full, mesh, [Shard(0)])
+    buf = io.BytesIO()
+    torch.save({"w": dt}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)["w"]
+    assert type(back) is DTensor and back.placements == (Shard(0),) and back.shape == (3, 2)
+    assert torch.equal(back.to_local(), dt.to_local())
+    assert back.device_mesh == mesh and back.device_mesh.get_group() is mesh.get_group(), \
+        "the loaded mesh uses the groups this process already has"
+    assert torch.equal(back.full_tensor(), full)
+
+
+@distributed([2])
+def test_mesh_as_context_manager(world_size):
+    mesh = mesh_for(world_size)
+    full = torch.arange(4.0)
+    with mesh as entered:
+        assert entered is mesh
+        dt = distribute_tensor(full, placements=[Shard(0)])
+        again = DTensor.from_local(dt.to_local(), placements=[Shard(0)])
+    assert dt.device_mesh is mesh and again.device_mesh is mesh
+    assert torch.equal(again.full_tensor(), full)
+    with pytest.raises(RuntimeError, match="No device mesh is currently active"):
+        distribute_tensor(full, placements=[Shard(0)])
+
+
+@distributed([2])
+def test_torch_texts(world_size):
+    mesh = mesh_for(world_size)
+    with pytest.raises(ValueError, match="must have the same length"):
+        distribute_tensor(torch.ones(2, 2), DeviceMesh("cpu", [[0], [1]]), [Shard(0)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distribute_module(nn.Linear(2, 2), mesh, input_fn=lambda inputs, device_mesh: inputs)
+    assert any(str(w.message).startswith("Deprecating input_fn that takes two arguments") for w in caught)
