@@ -4,6 +4,7 @@
         -> root mesh: for each axis, one process group for the slice through this rank
     mesh["tp"], mesh["dp", "tp"]           -> sub-meshes: views of the root, same groups
     mesh["dp", "tp"].flatten("dp_tp")      -> one axis over several; mesh["dp_tp"] after
+    world._unflatten(0, (2, 4), ("dp", "tp"))  -> one axis split in several: a new root mesh
 
 Every mesh is a view of its root: each of its axes is a tuple of root axes (one, or
 several for a flattened axis). Groups come from `plait.comm.new_group`, which creates a
@@ -205,6 +206,39 @@ class DeviceMesh:
 
     _flatten = flatten  # torch's spelling
 
+    def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+                   backend_override: dict | None = None) -> DeviceMesh:
+        """torch's: axis `dim` split row-major into axes of `mesh_sizes` named `mesh_dim_names`,
+        the other axes kept (world (8,) -> ("dp", "cp", "tp") (2, 2, 2): mesh.view(2, 2, 2)).
+
+        The result is a root of its own: torchtitan unflattens one world mesh several times,
+        with overlapping names ("pp", "batch", ...; "pp", "fsdp", ...), and slices and flattens
+        each by its own names. Its groups are the ones any mesh over the same ranks uses
+        (comm.new_group creates one per rank set). `backend_override` (name or index -> backend):
+        torchtitan's "fake" on an axis of size 1 is taken as given (a 1-rank group is what a
+        fake one stands for); an axis of more ranks keeps the job's backend."""
+        names = self.mesh_dim_names
+        if names is None:
+            raise ValueError(f"_unflatten needs a mesh with mesh_dim_names; this one is {self!r}")
+        if isinstance(dim, str):
+            if dim not in names:
+                raise ValueError(f"dim {dim!r} specified in `_unflatten` is not in {names}")
+            dim = names.index(dim)
+        elif not -self.ndim <= dim < self.ndim:
+            raise ValueError(f"dim {dim} specified in `_unflatten` is out of range {self.ndim}")
+        dim %= self.ndim
+        sizes, new_names = tuple(int(s) for s in mesh_sizes), tuple(mesh_dim_names)
+        if len(sizes) != len(new_names):
+            raise RuntimeError(f"mesh_dim_names {new_names} must have same length as mesh_sizes {sizes} in _unflatten")
+        if math.prod(sizes) != self.mesh.size(dim):
+            raise ValueError(f"The product of mesh_sizes={sizes} is {math.prod(sizes)}, but the original "
+                             f"dimension at dim={dim} ({names[dim]!r}) has size {self.mesh.size(dim)}. These "
+                             "must be equal for unflatten to work correctly.")
+        _check_backend_override(backend_override or {}, sizes, new_names)
+        shape = [*self.mesh.shape[:dim], *sizes, *self.mesh.shape[dim + 1:]]
+        return DeviceMesh(self.device_type, self.mesh.reshape(shape),
+                          mesh_dim_names=(*names[:dim], *new_names, *names[dim + 1:]))
+
     @staticmethod
     def from_group(group: ProcessGroup, device_type: str, *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
         """A 1-D mesh over an existing group's ranks, using that group."""
@@ -273,6 +307,24 @@ def _check_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | No
     if not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"mesh_dim_names {names} must be non-empty strings")
     return names
+
+
+def _check_backend_override(override: dict, sizes: tuple[int, ...], names: tuple[str, ...]) -> None:
+    """An override on an axis of more than one rank must name the job's own backend: plait's
+    groups are made by comm.new_group, on the backend the job started with."""
+    job = torch.distributed.get_backend()
+    for key, value in override.items():
+        if key in names:
+            axis = names.index(key)
+        elif isinstance(key, int) and 0 <= key < len(sizes):
+            axis = key
+        else:
+            raise RuntimeError(f"Found invalid keys in backend_override: got {key!r}, expected integers in "
+                               f"range [0, {len(sizes)}) or one of {names}")
+        backend = value[0] if isinstance(value, tuple) else value
+        if sizes[axis] > 1 and isinstance(backend, str) and backend.lower() != job:
+            raise ValueError(f"backend_override {backend!r} for mesh axis {names[axis]!r} of {sizes[axis]} ranks: "
+                             f"plait's groups use the job's backend {job!r}")
 
 
 def _check_ranks(mesh: torch.Tensor) -> None:

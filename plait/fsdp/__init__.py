@@ -21,7 +21,12 @@ The second front door, torch's FSDP1 wrapper, drives the same engine:
 (fsdp1/: the wrapper, its options, state-dict types; wrap: the auto-wrap policies.)
 """
 
-from plait.fsdp.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.api import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from plait.fsdp.fsdp1 import (
     BackwardPrefetch,
     CPUOffload,
@@ -43,7 +48,7 @@ from plait.fsdp.fsdp1 import (
 from plait.fsdp.fully_shard import fully_shard
 from plait.fsdp.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
-__all__ = ["BackwardPrefetch", "CPUOffload", "CPUOffloadPolicy", "FSDPModule", "FullOptimStateDictConfig",
+__all__ = ["BackwardPrefetch", "CPUOffload", "CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "FullOptimStateDictConfig",
            "FullStateDictConfig", "FullyShardedDataParallel", "LocalOptimStateDictConfig", "LocalStateDictConfig",
            "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig", "OptimStateKeyType",
            "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig",

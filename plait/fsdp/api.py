@@ -8,6 +8,12 @@
                                          the parameter's own dtype
     CPUOffloadPolicy(pin_memory=True)    sharded parameters, gradients and optimizer state
                                          on the CPU; only unsharded parameters on the device
+    DataParallelMeshDims(shard="fsdp", replicate="dp_replicate")
+                                         which axes of a full SPMD mesh are data parallel
+                                         (a tuple of names: those axes taken as one)
+
+torch's `torch.distributed.fsdp.api` also holds FSDP1's enums and state-dict configs; they
+are plait.fsdp.fsdp1's, re-exported at the bottom so that path imports them too.
 """
 
 from __future__ import annotations
@@ -28,6 +34,33 @@ class MixedPrecisionPolicy:
 
 
 @dataclass
+class DataParallelMeshDims:
+    """The data-parallel axes of a full SPMD mesh, by name: `shard` the axis (or axes, taken as
+    one) FSDP shards over, `replicate` the HSDP replicate axis (or axes). At least one is set."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclass
 class OffloadPolicy:
     """No offloading (the default)."""
 
@@ -40,4 +73,25 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+# FSDP1's names on torch's path (plait.fsdp.fsdp1.api imports nothing of this module)
+from plait.fsdp.fsdp1.api import (  # noqa: E402
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+__all__ = ["BackwardPrefetch", "CPUOffload", "CPUOffloadPolicy", "DataParallelMeshDims", "FullOptimStateDictConfig",
+           "FullStateDictConfig", "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision",
+           "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig", "ShardedOptimStateDictConfig",
+           "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings", "StateDictType"]

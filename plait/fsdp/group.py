@@ -15,7 +15,8 @@
                post-forward mesh `mesh.view(-1, k)` does
     reduce:    (reduce.py) unsharded grads -> reduce-scatter input (N, S) rank-major, padding zeroed, in
                reduce_dtype -> one reduce-scatter (sum) on the shard axis -> (S,) -> HSDP:
-               all-reduce on the replicate axis -> / data-parallel size -> sharded .grad
+               all-reduce on the replicate axis -> / data-parallel size (or gradient_divide_factor)
+               -> sharded .grad
 
 FSDP1's use_orig_params=False (fsdp1/flat_param.py): the (S,) all-gather input is the unit's
 flat parameter itself (each sharded local a view of it: no copy-in), and the reduced (S,)
@@ -120,6 +121,12 @@ class ParamGroup(GroupReduce):
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        # the sum over the data-parallel ranks is divided by this (None: their number, the mean);
+        # torchtitan sets 1.0 and divides its loss by the global token count instead
+        self.gradient_divide_factor: float | None = None
+        # torch's switch from AVG / PREMUL_SUM to SUM then a division: plait's collectives
+        # always reduce with SUM and divide after, so this is recorded, and true in effect
+        self.force_sum_reduction_for_comms = False
         self.grad_dtype: torch.dtype | None = None  # the sharded .grad's; None: each parameter's own
         # FSDP1's use_orig_params=False: the (S,) flat parameter (each sharded local a view into
         # it) is the module's parameter, the all-gather input and, its .grad, the reduced (S,)

@@ -5,6 +5,7 @@
     set_reshard_after_forward/backward     trade memory for all-gathers
     set_modules_to_forward/backward_prefetch   explicit prefetch lists instead of the default
     set_is_last_backward / set_requires_all_reduce   micro-batching and HSDP knobs
+    set_gradient_divide_factor(1.0)        sum the gradients instead of averaging them
 
 Setters take `recurse=True` as torch's do: they apply to every FSDP group in the subtree.
 """
@@ -96,6 +97,22 @@ class FSDPModule:
                     if s.group.state.name == "SHARDED_POST_FORWARD":
                         s.group.reshard()
                     s.group.post_forward_size = s.group.post_forward_group = None
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by `factor` instead of the data-parallel size (1.0: a
+        plain sum, for a loss already divided by the global token count). This module's group
+        only, as torch's (torchtitan calls it on every FSDPModule)."""
+        if not factor > 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        for g in self._groups(recurse=False):
+            g.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """torch: reduce with SUM only, dividing in a separate step (NCCL's zero-copy path, Gloo's
+        lack of PREMUL_SUM). plait's reductions already are SUM then a division, so this
+        records the choice on this module's group; the gradients are the same."""
+        for g in self._groups(recurse=False):
+            g.force_sum_reduction_for_comms = bool(enable)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for g in self._groups(recurse):

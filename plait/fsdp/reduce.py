@@ -6,7 +6,8 @@
     queue:         issuing the next group's reduce-scatter, or the root's final callback,
                    waits for the one in flight -> finish_reduce
     finish_reduce: (S,) -> HSDP: all-reduce on the replicate axis (or kept, summed into the
-                   next, while requires_all_reduce is off) -> / data-parallel size -> each
+                   next, while requires_all_reduce is off) -> / data-parallel size (gradient_divide_factor
+                   when set: 1.0 sums) -> each
                    parameter's piece added to, or made, its sharded .grad; FSDP1's flat
                    parameter takes the whole (S,) as its .grad
 
@@ -144,7 +145,11 @@ class GroupReduce:
                 self._partial = reduced
                 return
             comm.all_reduce(reduced, group=self.replicate_group)
-        reduced.div_(self.dp_size)
+        factor = self.gradient_divide_factor
+        if factor is None:
+            reduced.div_(self.dp_size)
+        elif factor != 1.0:
+            reduced.div_(factor)
         grad_dtype = self.grad_dtype
         if self.flat_param is not None:
             self._land_flat_grad(reduced, grad_dtype)

@@ -4,7 +4,11 @@ bookkeeping for all of them.
     forward pre-hook   (root: lazy init, cast inputs) -> unshard + wait -> prefetch the next
                        group's all-gather (async) -> wrap inputs in RegisterPostBackward
     forward hook       reshard if reshard_after_forward -> record the post-forward order ->
-                       a pre-backward hook on every output that requires grad
+                       a pre-backward hook on every output that requires grad (a group of
+                       several modules: after the last of them; one the forward skipped is
+                       completed by the root's forward hook, its pre-backward hook on the
+                       root's output; a module of it called alone later, as a chunked loss
+                       calls lm_head, gathers and registers its post-backward as any call)
     pre-backward       (first output grad to arrive) unshard + wait -> prefetch the group
                        that runs backward next (the one before in post-forward order)
     post-backward      (when the module's input grads are computed: its parameter grads are
@@ -177,10 +181,28 @@ class FSDPState:
             self.training_state = TrainingState.IDLE
             output = self._register_pre_backward(output)
             if self.is_root:
+                output = self._complete_skipped_groups(output)
                 self._finish_root_forward()
             return self._cast_output(output)
 
         return post_forward
+
+    def _complete_skipped_groups(self, output: Any) -> Any:
+        """Finish the forward of every group of several modules that this forward left
+        unfinished (torchtitan's chunked loss: fully_shard([norm, lm_head]), the model runs
+        norm only and the loss calls lm_head per chunk later), as torch's
+        _force_complete_incomplete_states: reshard, and gather again when the root output's
+        gradient arrives, so the modules that did run have their parameters in backward."""
+        for state in reversed(self.ctx.states):  # the deepest first, as their own hooks would
+            if state is self or state.training_state is not TrainingState.FORWARD or not state._to_run:
+                continue
+            state._to_run.clear()
+            if state.group is not None and state.group.reshard_after_forward:
+                state.group.reshard_after_forward_pass()
+            self.ctx.post_forward_order.append(state)
+            state.training_state = TrainingState.IDLE
+            output = state._cast_output(state._register_pre_backward(output))
+        return output
 
     def _finish_root_forward(self) -> None:
         ctx = self.ctx

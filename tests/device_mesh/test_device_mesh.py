@@ -108,3 +108,37 @@ def test_one_dim_mesh(world_size):
     assert mesh.get_group() is comm.world_group() and mesh["dp"] is mesh
     assert mesh.get_local_rank() == comm.global_rank()
     assert repr(mesh) == f"DeviceMesh('cpu', {list(range(world_size))}, mesh_dim_names=('dp',))"
+
+
+@distributed([4])
+def test_unflatten_as_torchtitan_builds_its_meshes():
+    """torchtitan's parallel_dims: one 1-D world mesh unflattened several times, names
+    overlapping between the results; each is sliced and flattened by its own names. Ranks,
+    coordinates and group members equal torch's _unflatten of the same world."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+
+    ours = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    theirs = torch_mesh("cpu", (4,), mesh_dim_names=("world",))
+    for sizes, names in [((2, 2), ("dp", "tp")), ((1, 2, 2), ("pp", "fsdp", "tp")), ((4,), ("batch",))]:
+        a, b = ours._unflatten(0, sizes, names), theirs._unflatten(0, sizes, names)
+        assert a.mesh.tolist() == b.mesh.tolist() and a.mesh_dim_names == b.mesh_dim_names == names
+        assert a.get_coordinate() == list(b.get_coordinate())
+        for name in names:
+            assert _ranks(a.get_group(name)) == torch.distributed.get_process_group_ranks(b.get_group(name)), name
+            assert a[name].mesh.tolist() == b[name].mesh.tolist(), name
+    dense = ours._unflatten("world", (1, 2, 2), ("pp", "fsdp", "tp"), backend_override={"pp": "fake"})
+    flat = dense["fsdp", "tp"]._flatten("fsdp_tp")
+    assert flat.get_group() is comm.world_group() and dense["fsdp_tp"].get_group() is flat.get_group()
+    assert dense["tp"].get_group() is ours._unflatten(0, (2, 2), ("dp", "tp"))["tp"].get_group(), "one group per rank set"
+    two = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    split = two._unflatten("tp", (2, 1), ("tp", "x"))  # the other axes kept
+    assert split.mesh.tolist() == [[[0], [1]], [[2], [3]]] and split.mesh_dim_names == ("dp", "tp", "x")
+    assert split["dp"].get_group() is two.get_group("dp")
+    with pytest.raises(ValueError, match=r"product of mesh_sizes=\(3, 2\) is 6.*size 4"):
+        ours._unflatten(0, (3, 2), ("a", "b"))
+    with pytest.raises(ValueError, match="'ep' specified in `_unflatten` is not in"):
+        ours._unflatten("ep", (2, 2), ("a", "b"))
+    with pytest.raises(RuntimeError, match="same length"):
+        ours._unflatten(0, (2, 2), ("a",))
+    with pytest.raises(ValueError, match="backend_override 'fake' for mesh axis 'tp' of 2 ranks"):
+        ours._unflatten(0, (2, 2), ("dp", "tp"), backend_override={"tp": "fake"})

@@ -47,6 +47,7 @@ CLASS_NAMES = (
     "ScheduleLooped1F1B",
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
+    "_PipelineSchedule",
     "_PipelineScheduleRuntime",
     "get_schedule_class",
 )
@@ -92,4 +93,5 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in CLASS_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module("plait.pipelining.schedule_classes"), name)
+    where = "schedule_base" if name == "_PipelineSchedule" else "schedule_classes"
+    return getattr(importlib.import_module(f"plait.pipelining.{where}"), name)

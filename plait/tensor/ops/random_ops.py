@@ -25,10 +25,11 @@ from plait.tensor.placement import Partial, Replicate
 _synced: set = set()
 
 
-def sync_generator(mesh, device: torch.device) -> None:
-    """Give every rank of `mesh` coordinate 0's default generator state (once per mesh)."""
+def sync_generator(mesh, device: torch.device, force: bool = False) -> None:
+    """Give every rank of `mesh` coordinate 0's default generator state (once per mesh, or
+    again with `force`)."""
     key = (mesh, device.type)
-    if key in _synced:
+    if key in _synced and not force:
         return
     _synced.add(key)
     cuda = device.type == "cuda"
@@ -40,6 +41,11 @@ def sync_generator(mesh, device: torch.device) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+def mark_synced(mesh, device_type: str) -> None:
+    """Every rank of `mesh` was seeded alike (tensor._random.manual_seed): no broadcast."""
+    _synced.add((mesh, device_type))
 
 
 def _piece(full: torch.Tensor, spec_shape, offsets, sizes) -> torch.Tensor:
@@ -116,4 +122,4 @@ def native_dropout_rule(call: OpCall) -> Sharding:
     return Sharding((None,), (outs, mask_spec.placements), run)
 
 
-__all__ = ["RANDOM_OPS", "random_rule", "sync_generator"]
+__all__ = ["RANDOM_OPS", "mark_synced", "random_rule", "sync_generator"]

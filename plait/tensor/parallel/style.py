@@ -168,4 +168,18 @@ class SequenceParallel(ParallelStyle):
         return f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, use_local_output={self.use_local_output})"
 
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "SequenceParallel", "UnsupportedModuleError"]
+_PREPARE = ("PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput")
+
+
+def __getattr__(name: str):
+    # torch's style module holds the PrepareModule* styles too; here they live in prepare.py,
+    # which imports ParallelStyle from this module, so they are looked up on first use
+    if name in _PREPARE:
+        from plait.tensor.parallel import prepare
+
+        return getattr(prepare, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "SequenceParallel", "UnsupportedModuleError",
+           *_PREPARE]
