@@ -101,7 +101,6 @@ SUBMODULES_PENDING = {  # torch's path -> why it has no twin yet; can only shrin
     "tensor.parallel.fsdp": "torch's internal FSDP1/TP extension",
     "tensor.parallel.input_reshard": "input_reshard (issue 45)",
     "_composable.contract": "torch's composable-API registry",
-    "_composable.replicate": "issue 52",
     "_composable.replicate_with_fsdp": "issue 52",
 }
 # torch's names at paths scripts import them from (beyond SURFACE)

@@ -17,6 +17,8 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from plait.comm import events
@@ -60,21 +62,46 @@ class CommCounts(Counter):
 
 class _Modules(ModuleTracker):
     """torch's module tracker (`parents`, `is_bw`), silent while torch.compile traces: a
-    compiled module's collectives count under "Global" only, as in torch's CommDebugMode."""
+    compiled module's collectives count under "Global" only, as in torch's CommDebugMode.
+
+    Its backward hooks go on non-leaf tensors only: torch's multi-grad hook on a leaf
+    raises inside `torch.autograd.grad` ("A leaf node was passed to
+    _will_engine_execute_node"), which is how a pipeline stage runs its backward (its input
+    is a leaf cut from the previous stage). A module whose inputs are all leaves leaves the
+    backward stack when the engine finishes, not when its input grads are computed."""
 
     def _fw_pre_hook(self, mod, input) -> None:  # noqa: A002 - torch's signature
-        if not torch.compiler.is_compiling():
-            super()._fw_pre_hook(mod, input)
+        if torch.compiler.is_compiling():
+            return
+        name = self._get_mod_name(mod)
+        self._get_append_fn(name, False)()
+        tensors = _graph_tensors(input)
+        if tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, self._get_pop_fn(name, True)))
 
     def _fw_post_hook(self, mod, input, output) -> None:  # noqa: A002 - torch's signature
-        if not torch.compiler.is_compiling():
-            super()._fw_post_hook(mod, input, output)
+        if torch.compiler.is_compiling():
+            return
+        name = self._get_mod_name(mod)
+        self._get_pop_fn(name, False)()
+        tensors = _graph_tensors(output)
+        if tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, self._get_append_fn(name, True)))
+
+
+def _graph_tensors(tree) -> list[torch.Tensor]:
+    return [a for a in tree_flatten(tree)[0]
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None]
 
 
 class CommDebugMode(events.CommListener):
     """Context manager counting collectives by op and bytes sent by this rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, track_modules: bool = True) -> None:
+        # track_modules=False: no per-module view (comm_module_counts holds "Global" only) and
+        # no hooks on module calls, which keep each module's inputs and outputs referenced
+        # until backward (plait train counts every step's traffic this way)
+        self._track_modules = track_modules
         self._lock = threading.Lock()
         self.comm_counts: CommCounts = CommCounts()
         self.comm_bytes: CommCounts = CommCounts()
@@ -122,8 +149,9 @@ class CommDebugMode(events.CommListener):
             self.events.clear()
             self.comm_module_counts.clear()
             self.comm_module_counts["Global"] = {"forward": CommCounts(), "backward": CommCounts()}
-        self._modules = _Modules()
-        self._modules.__enter__()
+        if self._track_modules:
+            self._modules = _Modules()
+            self._modules.__enter__()
         events.add_listener(self)
         return self
 

@@ -91,8 +91,9 @@ def layouts(tensors: list[torch.Tensor], api) -> list[list]:
 def _cotangent(t: torch.Tensor, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if t.is_complex():
-        return torch.complex(torch.randn(t.shape, generator=g), torch.randn(t.shape, generator=g)).to(t.dtype)
-    return torch.randn(t.shape, generator=g).to(t.dtype)
+        parts = [torch.randn(t.shape, generator=g, device="cpu") for _ in range(2)]  # generator g is a CPU one
+        return torch.complex(*parts).to(t.dtype).to(t.device)
+    return torch.randn(t.shape, generator=g, device="cpu").to(t.dtype).to(t.device)
 
 
 def _loss(outs: list[torch.Tensor]) -> torch.Tensor | None:
@@ -133,7 +134,7 @@ def _agree(mesh, signature: str) -> bool:
     """Whether every rank of the mesh built the same sample (its shapes and dtypes)."""
     import torch.distributed as dist
 
-    mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64)
+    mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64, device=mesh.device_type)
     both = torch.cat([mine, -mine])
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return int(both[0]) == -int(both[1])

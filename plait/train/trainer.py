@@ -196,7 +196,7 @@ def train(config: JobConfig) -> TrainResult:
 
     for step in range(start + 1, t.steps + 1):
         t0, c0 = time.perf_counter(), time.process_time()
-        counter = CommDebugMode().__enter__()  # the step's traffic, what plait.plan predicts
+        counter = CommDebugMode(track_modules=False).__enter__()  # the step's traffic, what plait.plan predicts
         batch = next(stream).to(device, non_blocking=True)  # data is made on the host
         live = None
         # the second step: AdamW's state exists from the first step's end (the steady state's peak);

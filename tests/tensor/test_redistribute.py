@@ -98,7 +98,7 @@ def test_collectives_per_transition_and_async(world_size):
     (y.to_local().float() * 2).sum().backward()
     assert x.grad.dtype == torch.float32
     torch.testing.assert_close(x.grad.full_tensor(), torch.full((6, 4), 2.0))
-    with pytest.raises(ValueError, match="2 placements"):
+    with pytest.raises(ValueError, match="same length as `device_mesh.ndim`! Found placements length: 2"):
         x.redistribute(mesh, [Replicate(), Replicate()])
 
 
