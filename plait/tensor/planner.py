@@ -11,7 +11,9 @@ fallback plan (replicate everything, see fallback.py).
 
 from __future__ import annotations
 
-from plait.tensor import fallback, outsider, strided
+import torch
+
+from plait.tensor import fallback, inplace_view, outsider, strided
 from plait.tensor import redistribute as redist
 from plait.tensor.dispatch import Plan
 from plait.tensor.dtensor import DTensor
@@ -58,7 +60,14 @@ def _spec_tree(a, specs: dict[int, DTensorSpec]):
 def build(op, args, kwargs, dts: list[DTensor]) -> Plan:
     """The plan for this call (see the module note). A _StridedShard input meets only the
     rules that know it (pointwise, foreach, reductions, *_like); for any other op, or a
-    choice that is no valid layout, it is first gathered to its plain layout (strided.py)."""
+    choice that is no valid layout, it is first gathered to its plain layout (strided.py).
+    An in-place view op (squeeze_) plans its out-of-place twin (inplace_view.py)."""
+    if torch.Tag.inplace_view in op.tags and len(dts) == 1 and type(args[0]) is DTensor:
+        out_of_place = inplace_view.twin(op)
+        if out_of_place is not None and out_of_place in RULES:
+            plan = build(out_of_place, args, kwargs, dts)
+            if type(plan) is Plan and len(plan.out_specs) == 1:
+                return inplace_view.InplaceViewPlan(op, plan)
     specs = [d._spec for d in dts]
     if specs and specs[0].mesh._coordinate is None:  # this rank is outside the call's mesh
         returns = _aliasing(op, _positions(args, kwargs))[1]
