@@ -31,6 +31,7 @@ from plait.tensor.spec import DTensorSpec
 MAX_CACHED = 16384
 _plans: dict[tuple, Plan] = {}
 _Tensor = torch.Tensor
+_current_autograd_node = torch._C._current_autograd_node  # not None inside a backward formula
 # set by plait.tensor.experimental.implicit_replication(): plain tensors mixed with DTensors
 # in one op are taken as replicated (torch's DTensor._op_dispatcher._allow_implicit_replication)
 _allow_implicit_replication = False
@@ -69,10 +70,12 @@ def torch_dispatch(cls, op, types, args: tuple = (), kwargs: dict | None = None)
             return by_mesh.ByMeshPlan(op).run(args, kwargs, dts, groups)
         if not _allow_implicit_replication:
             plain = _first_plain(args, kwargs, many=True)
-            if plain is not None:
+            if plain is not None and _current_autograd_node() is None:
                 raise _mixed(op, plain) from None
         # a plain tensor of one element is a value, the same on every rank (torch's DTensor
-        # takes it as Replicate too); others under implicit_replication()
+        # takes it as Replicate too); so is one a backward formula makes (cummax's, prod's:
+        # zeros or an arange of a shape, the same on every rank, where torch's DTensor
+        # raises); others under implicit_replication()
         return dispatch(op, *_replicate_plain(args, kwargs))
     key_t = tuple(key)
     try:
@@ -164,7 +167,8 @@ def _key(op, a, dts: list, free: bool = False):
         return float
     if isinstance(a, _Tensor):
         if a.dim() != 0:
-            if _allow_implicit_replication or by_mesh.is_foreach(op) or a.numel() == 1:
+            if (_allow_implicit_replication or by_mesh.is_foreach(op) or a.numel() == 1
+                    or _current_autograd_node() is not None):
                 raise _PlainTensor
             raise _mixed(op, a)
         return (_Tensor, a.dtype, a.device)

@@ -23,6 +23,7 @@ from plait.tensor.ops.foreach import foreach_rule
 from plait.tensor.ops.matmul import bmm_rule
 from plait.tensor.ops.pointwise import pointwise_rule
 from plait.tensor.ops.reduction import foreach_norm_rule, reduction_rule
+from plait.tensor.ops.registry import NoStrategy
 from plait.tensor.ops.tensor_ops import like_rule, new_rule
 from plait.tensor.ops.view import permute_rule, reshape_rule, squeeze_rule, t_rule, transpose_rule
 from plait.tensor.placement import has_strided, shard_order
@@ -135,7 +136,10 @@ def _build(op, args, kwargs, dts: list[DTensor], specs: list[DTensorSpec]) -> Pl
     by_id = {id(d): s for d, s in zip(dts, specs)}
     call = OpCall(op, _spec_tree(tuple(args), by_id), {k: _spec_tree(v, by_id) for k, v in kwargs.items()},
                   specs, outs, written, returns)
-    sharding = rule(call)
+    try:
+        sharding = rule(call)
+    except NoStrategy:
+        return fallback.plan(op, mesh, specs, positions, written, returns)
     n_out = len(sharding.outputs)
     if outs is None and returns is None and n_out:
         return fallback.plan(op, mesh, specs, positions, written, returns)

@@ -14,12 +14,14 @@ not (torch's DTensor) compare shapes only for them. Ops with no tensor input (fa
 are "n/a": there is no DTensor to give them. `api` is the DTensor module under test
 (`plait.tensor`, or torch's `torch.distributed.tensor` in the benchmark beside it): the
 sweep runs on every rank of `mesh` (same ops, same order) and needs `expecttest`
-(torch's op_db imports it).
+(torch's op_db imports it). PLAIT_SWEEP_RAISE=1 raises an op's error instead of keeping
+its first line (to debug one op on one rank).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import random as pyrandom
 import time
 import warnings
@@ -204,6 +206,8 @@ def _one_layout(info, flat, tree, tensors, placements, mesh, api, want_leaves, w
         got = info.op(*dargs, **dkwargs)
         full = [g.full_tensor() if isinstance(g, api.DTensor) else g for g in _leaves(got)]
     except Exception as e:  # noqa: BLE001 - kept as the op's failure text
+        if os.environ.get("PLAIT_SWEEP_RAISE"):
+            raise
         problem = f": {type(e).__name__}: {_first_line(e)}"
     problem = _stage(mesh, problem)
     if problem:
@@ -215,6 +219,8 @@ def _one_layout(info, flat, tree, tensors, placements, mesh, api, want_leaves, w
                                             allow_unused=True)
             got_grads = [g.full_tensor() if isinstance(g, api.DTensor) else g for g in got_grads]
         except Exception as e:  # noqa: BLE001
+            if os.environ.get("PLAIT_SWEEP_RAISE"):
+                raise
             problem = f" backward: {type(e).__name__}: {_first_line(e)}"
         problem = _stage(mesh, problem)
         if problem:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plait.tensor.ops.registry import OpCall, Sharding, aten, register
+from plait.tensor.ops.registry import NoStrategy, OpCall, Sharding, aten, register
 from plait.tensor.placement import Partial, Replicate, Shard
 from plait.tensor.spec import DTensorSpec
 
@@ -51,11 +51,15 @@ def every(call: OpCall, nd: int) -> set[int]:
     return set(range(nd))
 
 
-def core_rule(core: CoreFn, *, linear: bool = False, appends: bool = False):
+def core_rule(core: CoreFn, *, linear: bool = False, appends: bool = False, batched: bool = False):
     """The rule of an op whose core dims `core(call, ndim)` gives (see the module note).
-    `appends`: an output with more dims than the input has the new ones last (unfold)."""
+    `appends`: an output with more dims than the input has the new ones last (unfold).
+    `batched`: leading batch dims are shared by args of other ranks too (linear algebra:
+    householder_product's tau (b, k) beside its input (b, m, n)): each shards with them."""
 
     def rule(call: OpCall) -> Sharding:
+        if call.outs is None and not call.returns:
+            raise NoStrategy  # no meta kernel (geqrf): how many outputs, of what shape, is unknown
         specs: list[DTensorSpec] = call.specs
         first = specs[0]
         nd = first.ndim
@@ -68,7 +72,12 @@ def core_rule(core: CoreFn, *, linear: bool = False, appends: bool = False):
                 continue
             if any(s.ndim == nd and s.shape[d] != first.shape[d] for s in specs):
                 continue  # gather's index shorter than self: its rows are not self's rows
-            ins = tuple(Shard(d) if s.ndim == nd else R for s in specs)
+            if batched:
+                if any(d >= s.ndim - 1 or s.shape[d] != first.shape[d] for s in specs):
+                    continue
+                ins = (Shard(d),) * len(specs)
+            else:
+                ins = tuple(Shard(d) if s.ndim == nd else R for s in specs)
             out_p = []
             for o in outs:
                 od = d if o is None or o.dim() == nd or (appends and o.dim() > nd) else d - sum(c < d for c in cores)
@@ -85,8 +94,9 @@ def core_rule(core: CoreFn, *, linear: bool = False, appends: bool = False):
     return rule
 
 
-def _reg(core: CoreFn, *ops, linear: bool = False, appends: bool = False) -> None:
-    register(*[op for op in ops if op is not None])(core_rule(core, linear=linear, appends=appends))
+def _reg(core: CoreFn, *ops, linear: bool = False, appends: bool = False, batched: bool = False) -> None:
+    register(*[op for op in ops if op is not None])(core_rule(core, linear=linear, appends=appends,
+                                                              batched=batched))
 
 
 def _op(name: str):
@@ -124,7 +134,7 @@ _reg(last(2), *[_op(n) for n in """linalg_cholesky_ex.default cholesky.default c
     linalg_lu_factor_ex.default linalg_lu_solve.default linalg_solve_triangular.default
     _linalg_solve_ex.default triangular_solve.default linalg_householder_product.default
     linalg_matrix_exp.default linalg_ldl_factor_ex.default linalg_ldl_solve.default geqrf.default
-    ormqr.default lu_unpack.default linalg_pinv.atol_rtol_tensor""".split()])
+    ormqr.default lu_unpack.default linalg_pinv.atol_rtol_tensor""".split()], batched=True)
 # pooling and resampling: batch and channel dims shard, the spatial dims are whole
 for _k in (1, 2, 3):
     _reg(last(_k), *[_op(n.format(k=_k)) for n in """avg_pool{k}d.default adaptive_avg_pool{k}d.default
@@ -148,6 +158,8 @@ _reg(dims_at(1, "dim"), aten.gather.default, aten.scatter.src, aten.scatter.valu
 _reg(dims_at(1, "dim"), aten.scatter_add.default, aten.scatter_add_.default, linear=True)
 
 
+# FFTs transform their dims whole; every other dim is a batch dim (linear)
+_reg(dims_at(1, "dim"), aten._fft_r2c.default, aten._fft_c2c.default, aten._fft_c2r.default, linear=True)
 # diagonals: the two dims it walks are whole (the output's last dim is the diagonal)
 _reg(lambda call, nd: _norm([call.arg(2, "dim1", 0), call.arg(3, "dim2", 1)], nd), aten.diagonal.default,
      aten.diagonal_copy.default, linear=True)

@@ -17,13 +17,15 @@ Replicate indices -> the same Partial.
 
 from __future__ import annotations
 
-from plait.tensor.ops.registry import OpCall, Sharding, aten, register
+from plait.tensor.ops.registry import NoStrategy, OpCall, Sharding, aten, register
 from plait.tensor.placement import Partial, Replicate, Shard
 from plait.tensor.spec import DTensorSpec
 
 
 @register(aten.index.Tensor)
 def index_rule(call: OpCall) -> Sharding:
+    if call.outs is None:
+        raise NoStrategy  # a boolean mask's count of True: the output's size is data
     self_spec = call.specs[0]
     indices = call.args[1]
     nd = self_spec.ndim

@@ -1,4 +1,5 @@
-"""Ops that return Python values or compare whole tensors: item, equal, is_same_size.
+"""Ops that return Python values or compare whole tensors: item, equal, is_same_size; and
+resize_, refused unless it keeps the shape.
 
     _local_scalar_dense (item)  gathers to Replicate, then reads the local value
     is_same_size                compares global shapes: no communication
@@ -43,4 +44,20 @@ def equal_rule(call: OpCall) -> Sharding:
     return Sharding((target, target), (), run)
 
 
-__all__ = ["equal_rule", "is_same_size_rule", "item_rule"]
+
+
+@register(aten.resize_.default, aten.resize_as_.default)
+def resize_rule(call: OpCall) -> Sharding:
+    """A no-op resize passes; any other is refused: it would resize each rank's piece, not
+    the global tensor, and leave the DTensor's shape as it was."""
+    spec = call.specs[0]
+    size = tuple(call.specs[1].shape) if call.op is aten.resize_as_.default else tuple(call.args[1])
+    if size != tuple(spec.shape):
+        raise NotImplementedError(
+            f"{call.op} of a DTensor from {tuple(spec.shape)} to {size}: a DTensor's shape is global "
+            "and each rank holds a piece; make a new DTensor of the new shape (distribute_tensor, "
+            "new_empty) instead")
+    return Sharding(tuple(None for _ in call.specs), (spec.placements,))
+
+
+__all__ = ["equal_rule", "is_same_size_rule", "item_rule", "resize_rule"]

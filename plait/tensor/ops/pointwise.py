@@ -80,7 +80,8 @@ special_shifted_chebyshev_polynomial_w.n_scalar special_shifted_chebyshev_polyno
 special_spherical_bessel_j0.default special_xlog1py.self_scalar special_zeta.default
 special_zeta.other_scalar special_zeta.self_scalar true_divide.Tensor
 _neg_view.default resolve_conj.default resolve_neg.default complex.default polar.default
-isreal.default logaddexp.default logaddexp2.default hardshrink.default""".split()
+isreal.default logaddexp.default logaddexp2.default hardshrink.default _conj_physical.default
+alias_copy.default""".split()
 
 # base name -> argument positions that may be Partial together (linear ops only)
 PATTERNS: dict[str, tuple[tuple[int, ...], ...]] = {
@@ -91,11 +92,12 @@ PATTERNS: dict[str, tuple[tuple[int, ...], ...]] = {
     "neg": ((0,),), "positive": ((0,),), "clone": ((0,),), "detach": ((0,),), "alias": ((0,),),
     "lift_fresh": ((0,),), "_to_copy": ((0,),), "zero": ((0,),), "native_dropout_backward": ((0,),),
     # conj(x_P) = conj(x)_P; complex(a_P, b_P) = complex(a, b)_P
-    "_conj": ((0,),), "conj_physical": ((0,),), "_neg_view": ((0,),), "complex": ((0, 1),),
+    "_conj": ((0,),), "conj_physical": ((0,),), "_conj_physical": ((0,),), "_neg_view": ((0,),), "complex": ((0, 1),),
     "true_divide": ((0,),),
 }
 # ops that only move or copy values: any Partial passes (they commute with max, norms, ...)
-MOVES = {"clone", "detach", "alias", "lift_fresh", "_to_copy", "positive", "resolve_conj", "resolve_neg"}
+MOVES = {"clone", "detach", "alias", "lift_fresh", "_to_copy", "positive", "resolve_conj", "resolve_neg",
+         "alias_copy"}
 # overloads whose second operand is a Python scalar added to every rank's local: not linear
 _SCALAR_ADD = {"Scalar"}
 

@@ -1,5 +1,5 @@
 """Random ops: bernoulli (what dropout draws on CPU), uniform_, normal_, exponential_,
-random_, rand_like, randn_like, randint_like, native_dropout.
+cauchy_, geometric_, log_normal_, random_, rand_like, randn_like, randint_like, native_dropout.
 
 Each rank draws the WHOLE global tensor with the same generator calls a single-process
 run would make, then keeps its piece: a Replicate result is identical on every rank and
@@ -91,7 +91,8 @@ def random_rule(call: OpCall) -> Sharding:
 
 RANDOM_OPS = (
     overloads(aten.bernoulli_, aten.bernoulli, aten.uniform_, aten.normal_, aten.exponential_,
-              aten.random_, aten.rand_like, aten.randn_like, aten.randint_like)
+              aten.random_, aten.rand_like, aten.randn_like, aten.randint_like, aten.cauchy_,
+              aten.geometric_, aten.log_normal_)
 )
 register(*[op for op in RANDOM_OPS if "out" not in op._overloadname])(random_rule)
 

@@ -71,6 +71,11 @@ class Sharding:
         return replace(self, local_fn=fn)
 
 
+class NoStrategy(Exception):
+    """Raised by a rule that cannot place this call (its outputs could not be computed on
+    meta tensors, say): the planner takes the fallback, which is always right."""
+
+
 Rule = Callable[[OpCall], Sharding]
 RULES: dict[OpOverload, Rule] = {}
 # ids of ops whose plan never depends on the value of a Python float argument (pointwise
@@ -250,6 +255,6 @@ def _per_spec(call: OpCall, per_arg: list) -> tuple[Placement | None, ...]:
 
 
 __all__ = [
-    "OpCall", "RULES", "Sharding", "Strategy", "aten", "choose", "overloads", "partial_ops", "partials", "register",
+    "NoStrategy", "OpCall", "RULES", "Sharding", "Strategy", "aten", "choose", "overloads", "partial_ops", "partials", "register",
     "register_sharding", "replicate_all", "transition_cost",
 ]
