@@ -2,7 +2,7 @@
 script under `plait run` on a local rank count that fits it (the CommDebugMode block
 continues the plait.comm block, as the README reads).
 
-One launch per rank count (8, 4, 2: three launches for ten examples, one at a time), in which
+One launch per rank count (8, 4, 2: three launches for eleven examples, one at a time), in which
 tests/readme_driver.py runs each example as its own script in a fork of the worker, with the
 launcher's RANK/WORLD_SIZE and a fresh rendezvous store. Every example must exit 0 on every
 rank. Ten launches of their own cost 113-152 CPU s (30 workers, each importing torch and
@@ -50,6 +50,7 @@ def readme_jobs() -> dict[str, tuple[str, int]]:
         "tp": (_find(blocks, 'parallelize_module(model, mesh["tp"], tp_plan())'), 4),
         "fsdp_tp": (_find(blocks, 'fully_shard(block, mesh=mesh["dp"])'), 4),
         "checkpoint": (_find(blocks, 'dcp.save({"model": model, "step": 100}'), 2),
+        "dtensor": (_find(blocks, "torch.view_as_complex(x.reshape(2, 16, 4, 4, 2))"), 2),
     }
 
 

@@ -16,7 +16,7 @@ from plait.tensor.spec import DTensorSpec
 
 FAMILIES = """add sub mul div lerp addcmul addcdiv sqrt rsqrt neg abs exp log log1p expm1 reciprocal
 sign pow maximum minimum clamp_min clamp_max zero copy sigmoid tanh sin cos erf floor ceil round
-trunc frac""".split()
+trunc frac acos asin atan cosh sinh tan erfc lgamma log10 log2 clone""".split()
 
 
 def foreach_ops() -> list:

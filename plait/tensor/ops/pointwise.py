@@ -81,7 +81,10 @@ special_spherical_bessel_j0.default special_xlog1py.self_scalar special_zeta.def
 special_zeta.other_scalar special_zeta.self_scalar true_divide.Tensor
 _neg_view.default resolve_conj.default resolve_neg.default complex.default polar.default
 isreal.default logaddexp.default logaddexp2.default hardshrink.default _conj_physical.default
-alias_copy.default""".split()
+alias_copy.default gcd_.default lcm_.default true_divide_.Tensor special_erfcx.default
+special_modified_bessel_i1.default special_modified_bessel_k0.default special_modified_bessel_k1.default
+special_scaled_modified_bessel_k0.default special_scaled_modified_bessel_k1.default
+special_xlog1py.default special_xlog1py.other_scalar contiguous.default""".split()
 
 # base name -> argument positions that may be Partial together (linear ops only)
 PATTERNS: dict[str, tuple[tuple[int, ...], ...]] = {
@@ -97,7 +100,7 @@ PATTERNS: dict[str, tuple[tuple[int, ...], ...]] = {
 }
 # ops that only move or copy values: any Partial passes (they commute with max, norms, ...)
 MOVES = {"clone", "detach", "alias", "lift_fresh", "_to_copy", "positive", "resolve_conj", "resolve_neg",
-         "alias_copy"}
+         "alias_copy", "contiguous"}
 # overloads whose second operand is a Python scalar added to every rank's local: not linear
 _SCALAR_ADD = {"Scalar"}
 
