@@ -82,13 +82,13 @@ def _chunk(names: list[str], world: int, lib: str) -> list:
     from plait.testing import shutdown
 
     try:
-        return run_distributed(_rank, names, world, lib, world_size=world, timeout=900)[0]
+        return run_distributed(_rank, names, world, lib, world_size=world, timeout=180)[0]
     except Exception:  # noqa: BLE001 - isolated below
         shutdown()
     rows = []
     for name in names:
         try:
-            rows += run_distributed(_rank, [name], world, lib, world_size=world, timeout=300)[0]
+            rows += run_distributed(_rank, [name], world, lib, world_size=world, timeout=45)[0]
         except Exception as e:  # noqa: BLE001 - counted as a failure, with its first line
             shutdown()
             rows.append((name, FAIL, 0, f"the ranks parted ways: {str(e).splitlines()[0]}", None))
