@@ -26,9 +26,14 @@ slow, and an error under `PLAIT_DTENSOR_FALLBACK=error`.
 """
 
 
+NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional")
+
+
 def rows() -> list[tuple[str, str, str]]:
     out = []
     for op, rule in RULES.items():
+        if op.namespace not in NAMESPACES:
+            continue  # a user's own op, registered with register_sharding
         module = getattr(rule, "__module__", "?").rsplit(".", 1)[-1]
         name = getattr(rule, "__qualname__", type(rule).__name__).split(".<locals>")[0]
         out.append((str(op), module, name))
