@@ -201,31 +201,38 @@ def _one_layout(info, flat, tree, tensors, placements, mesh, api, want_leaves, w
             new_flat.append(x)
     dargs, dkwargs = pytree.tree_unflatten(new_flat, tree)
     torch.manual_seed(7)
-    problem, full = "", []
-    try:
+
+    def forward():
         got = info.op(*dargs, **dkwargs)
-        full = [g.full_tensor() if isinstance(g, api.DTensor) else g for g in _leaves(got)]
-    except Exception as e:  # noqa: BLE001 - kept as the op's failure text
-        if os.environ.get("PLAIT_SWEEP_RAISE"):
-            raise
-        problem = f": {type(e).__name__}: {_first_line(e)}"
+        return [g.full_tensor() if isinstance(g, api.DTensor) else g for g in _leaves(got)]
+
+    full, problem = _caught(forward, "")
     problem = _stage(mesh, problem)
     if problem:
         return problem
     got_grads = None
     if want_grads is not None:
-        try:
-            got_grads = torch.autograd.grad(_loss(full), [d for d, t in zip(dt_inputs, tensors) if t.requires_grad],
-                                            allow_unused=True)
-            got_grads = [g.full_tensor() if isinstance(g, api.DTensor) else g for g in got_grads]
-        except Exception as e:  # noqa: BLE001
-            if os.environ.get("PLAIT_SWEEP_RAISE"):
-                raise
-            problem = f" backward: {type(e).__name__}: {_first_line(e)}"
+        def backward():
+            grads = torch.autograd.grad(_loss(full), [d for d, t in zip(dt_inputs, tensors) if t.requires_grad],
+                                        allow_unused=True)
+            return [g.full_tensor() if isinstance(g, api.DTensor) else g for g in grads]
+
+        got_grads, problem = _caught(backward, " backward")
         problem = _stage(mesh, problem)
         if problem:
             return problem
     return _stage(mesh, _check(info, full, want_leaves, got_grads, want_grads, random, api))
+
+
+def _caught(fn, where: str):
+    """(fn(), "") or (None, the error's first line), kept as the op's failure text
+    (PLAIT_SWEEP_RAISE=1: raised)."""
+    try:
+        return fn(), ""
+    except Exception as e:  # noqa: BLE001
+        if os.environ.get("PLAIT_SWEEP_RAISE"):
+            raise
+        return None, f"{where}: {type(e).__name__}: {_first_line(e)}"
 
 
 def _first_line(e: Exception) -> str:
