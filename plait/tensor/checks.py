@@ -3,6 +3,9 @@
     even_global_shape      no communication: every Shard axis multiplies its dim by n
     gathered_global_shape  all-gathers the local sizes, innermost axis first, so uneven
                            (torch.chunk) shards give the true global shape
+    check_meta             every rank's local has one dtype and one requires_grad, and, where
+                           the global shape is not given and the pieces' shapes agree, one
+                           stride (torch's check_tensor_meta: a transposed piece is refused)
     check_and_sync         every rank's local shape is its torch.chunk piece of the global
                            shape (else every rank raises, with the numbers), and Replicate
                            axes take coordinate 0's data
@@ -13,6 +16,7 @@ every mesh axis before anyone raises, so no rank is left waiting in a collective
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -58,6 +62,30 @@ def gathered_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: Seq
     return tuple(shape)
 
 
+def check_meta(local: torch.Tensor, mesh: DeviceMesh, *, stride: bool) -> None:
+    """Raise on every rank if the mesh's ranks disagree on the local's dtype or requires_grad,
+    or (`stride`, with equal local shapes) on its stride, naming this rank's."""
+    mine = {"dtype": str(local.dtype), "requires_grad": local.requires_grad, "shape": tuple(local.shape),
+            "stride": (tuple(local.shape), local.stride())}
+    keys = ["dtype", "requires_grad", "shape"] + (["stride"] if stride else [])
+    codes = torch.tensor([zlib.crc32(repr(mine[k]).encode()) for k in keys], dtype=torch.int64,
+                         device=comm.group_device(mesh.get_group(0)))
+    both = torch.cat([codes, -codes])  # max of both halves: every rank's code equal iff max == min
+    for axis in range(mesh.ndim):
+        comm.all_reduce(both, group=mesh.get_group(axis), op="max")
+    n = len(keys)
+    differ = [k for i, k in enumerate(keys) if int(both[i]) != -int(both[n + i])]
+    if "shape" in differ:
+        differ.remove("shape")  # uneven pieces are checked against the global shape later
+        if "stride" in differ:
+            differ.remove("stride")  # strides of pieces of other shapes differ as a matter of course
+    if differ:
+        raise ValueError(
+            "from_local(run_check=True): Inconsistent tensor metadata (including shape and stride) across "
+            f"ranks: they differ in {', '.join(differ)}; rank {mesh.get_rank()} has "
+            + ", ".join(f"{k}={mine[k] if k != 'stride' else mine[k][1]}" for k in differ))
+
+
 def check_and_sync(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                    shape: Sequence[int]) -> torch.Tensor:
     expected, _ = local_shape_and_offset(shape, placements, mesh.shape, mesh.get_coordinate())
@@ -87,4 +115,4 @@ def _agree(mesh: DeviceMesh, error: str) -> None:
         raise ValueError(f"from_local(run_check=True): {error or 'another rank of the mesh failed the check'}")
 
 
-__all__ = ["check_and_sync", "even_global_shape", "gathered_global_shape"]
+__all__ = ["check_and_sync", "check_meta", "even_global_shape", "gathered_global_shape"]

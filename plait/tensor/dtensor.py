@@ -104,6 +104,8 @@ class DTensor(torch.Tensor):
         placements = normalize(placements or [Replicate()] * device_mesh.ndim, ndim, device_mesh.ndim)
         if shape is None and stride is not None:
             raise ValueError("from_local got a stride without a shape; pass the global shape too")
+        if run_check and device_mesh._coordinate is not None:
+            checks.check_meta(local_tensor, device_mesh, stride=shape is None)
         if shape is None:
             gathered = run_check and device_mesh._coordinate is not None
             shape = (checks.gathered_global_shape if gathered else checks.even_global_shape)(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from plait.device_mesh import DeviceMesh
+from plait.device_mesh import DeviceMesh, init_device_mesh
 from plait.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from plait.testing import distributed
 
@@ -55,3 +55,20 @@ def test_torch_texts(world_size):
         warnings.simplefilter("always")
         distribute_module(nn.Linear(2, 2), mesh, input_fn=lambda inputs, device_mesh: inputs)
     assert any(str(w.message).startswith("Deprecating input_fn that takes two arguments") for w in caught)
+
+
+@distributed([2])
+def test_from_local_run_check_refuses_ranks_that_disagree_on_dtype_grad_or_stride():
+    mesh = init_device_mesh("cpu", (2,))
+    rank = mesh.get_rank()
+    bad = {
+        "dtype": torch.zeros(4, 3, dtype=torch.float32 if rank == 0 else torch.float64),
+        "requires_grad": torch.zeros(4, 3, requires_grad=rank == 0),
+        "stride": torch.zeros(4, 3) if rank == 0 else torch.zeros(3, 4).t(),
+    }
+    for what, local in bad.items():
+        with pytest.raises(ValueError, match=f"Inconsistent tensor metadata.*differ in {what}"):
+            DTensor.from_local(local, mesh, [Shard(0)], run_check=True)
+    # uneven pieces are fine (their shapes and strides differ as torch.chunk cuts them)
+    d = DTensor.from_local(torch.zeros(3 - rank, 2), mesh, [Shard(0)], run_check=True)
+    assert d.shape == (5, 2)
