@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from plait.device_mesh import DeviceMesh, init_device_mesh
-from plait.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from plait.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from plait.testing import distributed
 
 from ._helpers import mesh_for
@@ -72,3 +72,23 @@ def test_from_local_run_check_refuses_ranks_that_disagree_on_dtype_grad_or_strid
     # uneven pieces are fine (their shapes and strides differ as torch.chunk cuts them)
     d = DTensor.from_local(torch.zeros(3 - rank, 2), mesh, [Shard(0)], run_check=True)
     assert d.shape == (5, 2)
+
+
+@distributed([2, 3])
+def test_dist_and_histc_of_shards_are_partial(world_size):
+    """torch's placements: each rank reduces its piece, one all-reduce when the value is read."""
+    from plait.tensor import Partial
+    from plait.tensor.placement import _NormPartial
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 3), torch.randn(7, 3)
+    da, db = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Shard(0)])
+    for p in (1.0, 2.0, float("inf")):
+        d = torch.dist(da, db, p)
+        assert d.placements == (_NormPartial(p),)
+        torch.testing.assert_close(d.full_tensor(), torch.dist(a, b, p), atol=1e-5, rtol=1e-5)
+    h = torch.histc(da, bins=5, min=-2, max=2)
+    assert h.placements == (Partial("sum"),)
+    assert torch.equal(h.full_tensor(), torch.histc(a, bins=5, min=-2, max=2))
+    assert torch.histc(da, bins=5).placements == (Replicate(),)  # its range is the data's: gathered

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plait.tensor.ops.registry import NoStrategy, OpCall, Sharding, aten, register
-from plait.tensor.placement import Partial, Replicate, Shard
+from plait.tensor.placement import Partial, Replicate, Shard, _NormPartial
 from plait.tensor.spec import DTensorSpec
 
 CoreFn = Callable[[OpCall, int], set[int]]
@@ -114,7 +114,7 @@ _reg(dims_at(1, "dim", -1), aten.sort.default)
 _reg(lambda call, nd: _norm(call.kwargs.get("dim", -1), nd), aten.sort.stable)
 _reg(dims_at(2, "dim", -1), aten.topk.default, aten.kthvalue.default)
 _reg(dims_at(1, "dim", -1), aten.mode.default, aten.median.dim, aten.nanmedian.dim)
-_reg(every, aten.median.default, aten.nanmedian.default, aten.histc.default)
+_reg(every, aten.median.default, aten.nanmedian.default)
 # reductions plait's reduction rules do not shard across
 _reg(dims_at(1, "dim", empty_is_all=True), aten.logsumexp.default, aten.prod.dim_int, aten.all.dim,
      aten.any.dim, aten.all.dims, aten.any.dims, aten.var_mean.correction, aten.std_mean.correction,
@@ -179,4 +179,35 @@ def constant_pad_core(call: OpCall, nd: int) -> set[int]:
 _reg(constant_pad_core, aten.constant_pad_nd.default)
 
 
-__all__ = ["core_rule", "dims_at", "every", "last"]
+
+
+@register(aten.histc.default)
+def histc_rule(call: OpCall) -> Sharding:
+    """histc over a fixed range (min < max): each rank counts its piece, the counts add up, a
+    sum Partial (torch's). With min == max the range is the data's own: gathered first."""
+    spec = call.specs[0]
+    lo, hi = float(call.arg(2, "min", 0)), float(call.arg(3, "max", 0))
+    R = Replicate()
+    strategies = [((R,), (R,))]
+    if lo < hi:
+        strategies += [((Shard(d),), (Partial("sum"),)) for d in range(spec.ndim) if spec.shape[d] > 1]
+    return call.choose(strategies)
+
+
+@register(aten.dist.default)
+def dist_rule(call: OpCall) -> Sharding:
+    """dist(a, b, p) = ||a - b||_p: a and b sharded alike on any dim -> each rank's norm of
+    its piece, a p-norm Partial (torch's: the result is Partial, one all-reduce when read).
+    Broadcast shapes and p <= 0 are Replicate."""
+    a, b = call.specs
+    p = float(call.arg(2, "p", 2))
+    R = Replicate()
+    strategies = [((R, R), (R,))]
+    if a.shape == b.shape and p > 0:
+        for d in range(a.ndim):
+            if a.shape[d] > 1:
+                strategies.append(((Shard(d), Shard(d)), (_NormPartial(p),)))
+    return call.choose(strategies)
+
+
+__all__ = ["core_rule", "dims_at", "dist_rule", "every", "histc_rule", "last"]
